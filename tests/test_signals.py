@@ -120,6 +120,35 @@ def test_no_gradient_flows():
     assert not sig.kl.requires_grad
 
 
+@pytest.mark.parametrize("estimator", ["full", "topk", "k3"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 256])
+def test_a_mask_computes_only_its_positions_and_zeros_the_rest(estimator, chunk_size):
+    hs, ht, W, ids = make(seed=3)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) < 0.6
+    mask[0] = False  # a row with nothing to compute
+    everything = signals_from_hidden(hs, ht, W, ids, estimator=estimator, topk=8)
+    for sig in (
+        signals_from_hidden(
+            hs, ht, W, ids, estimator=estimator, topk=8, chunk_size=chunk_size, mask=mask
+        ),
+        signals_from_logits(
+            hs @ W.T, ht @ W.T, ids, estimator=estimator, topk=8, chunk_size=chunk_size, mask=mask
+        ),
+    ):
+        for name in ("kl", "entropy", "student_logprobs", "teacher_logprobs"):
+            got, want = getattr(sig, name), getattr(everything, name)
+            torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
+            assert (got[~mask] == 0).all(), name
+
+
+def test_a_bad_mask_is_named():
+    hs, ht, W, ids = make()
+    with pytest.raises(ValueError, match="mask"):
+        signals_from_hidden(hs, ht, W, ids, mask=torch.ones(ids.shape))  # not bool
+    with pytest.raises(ValueError, match="mask"):
+        signals_from_hidden(hs, ht, W, ids, mask=torch.ones(ids.shape, dtype=torch.bool)[:, 1:])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -101,10 +101,22 @@ def _validate(estimator: str, temperature: float, chunk_size: int) -> None:
         raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
 
 
+def _positions(mask: Tensor | None, shape: tuple[int, int]) -> Tensor | None:
+    """Flat indices of the positions to compute, or None for all of them."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != shape or mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask: expected a bool tensor of shape {shape}, got {mask.dtype} {tuple(mask.shape)}"
+        )
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
 def _run(
     shape: tuple[int, int],
-    make_logits: Callable[[int, int], tuple[Tensor, Tensor]],  # (start, stop) -> 2 x (M, V)
+    make_logits: Callable[[Tensor | slice], tuple[Tensor, Tensor]],  # flat rows -> 2 x (M, V)
     token_ids: Tensor,
+    mask: Tensor | None,
     temperature: float,
     estimator: str,
     topk: int,
@@ -113,13 +125,16 @@ def _run(
 ) -> TokenSignals:
     N, T = shape
     ids = token_ids.reshape(-1)
-    out = torch.empty(4, N * T, dtype=torch.float32, device=ids.device)
-    for start in range(0, N * T, chunk_size):
-        stop = min(start + chunk_size, N * T)
-        s, t = make_logits(start, stop)
-        signals = _chunk_signals(s, t, ids[start:stop], temperature, estimator, topk, owned)
+    positions = _positions(mask, shape)
+    total = N * T if positions is None else positions.numel()
+    out = torch.zeros(4, N * T, dtype=torch.float32, device=ids.device)
+    for start in range(0, total, chunk_size):
+        stop = min(start + chunk_size, total)
+        rows = slice(start, stop) if positions is None else positions[start:stop]
+        s, t = make_logits(rows)
+        signals = _chunk_signals(s, t, ids[rows], temperature, estimator, topk, owned)
         for i, v in enumerate(signals):
-            out[i, start:stop] = v
+            out[i, rows] = v
     kl, ent, lp_s, lp_t = (v.view(N, T) for v in out)
     return TokenSignals(kl=kl, entropy=ent, student_logprobs=lp_s, teacher_logprobs=lp_t)
 
@@ -134,6 +149,7 @@ def signals_from_logits(
     estimator: str = "full",
     topk: int = 64,
     chunk_size: int = DEFAULT_CHUNK,
+    mask: Tensor | None = None,
 ) -> TokenSignals:
     """Signals from two (N, T, V) logits tensors (position t predicts token_ids[:, t]).
 
@@ -144,6 +160,8 @@ def signals_from_logits(
         estimator: "full" | "topk" | "k1" | "k3".
         topk: k of the "topk" estimator.
         chunk_size: tokens per chunk.
+        mask: (N, T) bool, or None for all positions: only these positions are computed
+            (padding after EOS costs nothing); the others are 0 in every output.
     Returns:
         `TokenSignals`, each (N, T) float32.
     """
@@ -159,8 +177,9 @@ def signals_from_logits(
     s_flat, t_flat = student_logits.reshape(N * T, V), teacher_logits.reshape(N * T, V)
     return _run(
         (N, T),
-        lambda a, b: (s_flat[a:b], t_flat[a:b]),
+        lambda rows: (s_flat[rows], t_flat[rows]),
         token_ids,
+        mask,
         temperature,
         estimator,
         topk,
@@ -183,6 +202,7 @@ def signals_from_hidden(
     estimator: str = "full",
     topk: int = 64,
     chunk_size: int = DEFAULT_CHUNK,
+    mask: Tensor | None = None,
 ) -> TokenSignals:
     """Signals from final hidden states and the LM head; logits exist one chunk at a time.
 
@@ -193,7 +213,7 @@ def signals_from_hidden(
             model of the same vocabulary), or None to share the student's head.
         teacher_lm_head_bias: (V,) or None; used only with teacher_lm_head_weight.
         token_ids: (N, T) long.
-        temperature, estimator, topk, chunk_size: as in `signals_from_logits`.
+        temperature, estimator, topk, chunk_size, mask: as in `signals_from_logits`.
     Returns:
         `TokenSignals`, each (N, T) float32.
     """
@@ -223,9 +243,11 @@ def signals_from_hidden(
     w_s = lm_head_weight.to(hs.dtype)
     w_t = w_s if teacher_lm_head_weight is lm_head_weight else teacher_lm_head_weight.to(ht.dtype)
 
-    def logits(a: int, b: int) -> tuple[Tensor, Tensor]:
-        s = torch.nn.functional.linear(hs[a:b], w_s, lm_head_bias)
-        t = torch.nn.functional.linear(ht[a:b], w_t, teacher_lm_head_bias)
+    def logits(rows: Tensor | slice) -> tuple[Tensor, Tensor]:
+        s = torch.nn.functional.linear(hs[rows], w_s, lm_head_bias)
+        t = torch.nn.functional.linear(ht[rows], w_t, teacher_lm_head_bias)
         return s, t
 
-    return _run((N, T), logits, token_ids, temperature, estimator, topk, chunk_size, owned=True)
+    return _run(
+        (N, T), logits, token_ids, mask, temperature, estimator, topk, chunk_size, owned=True
+    )
