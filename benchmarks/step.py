@@ -56,7 +56,7 @@ def run(
         output_dir=out,
         seed=args.seed,
         max_steps=args.steps,
-        learning_rate=1e-6,
+        learning_rate=args.learning_rate,
         per_device_train_batch_size=args.completions,
         num_generations=args.generations,
         max_completion_length=args.completion_length,
@@ -145,6 +145,13 @@ def main() -> None:
     ap.add_argument("--completion-length", type=int, default=48)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--learning-rate",
+        type=float,
+        default=0.0,
+        help="0 (default) keeps the weights, so both methods sample the same completions every "
+        "step and the ratio measures GEAR's cost alone; the optimizer still runs",
+    )
     ap.add_argument("--name", default="step")
     args = ap.parse_args()
 

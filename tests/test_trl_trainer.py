@@ -166,27 +166,33 @@ def _oracle_check(trainer, tok, rows, inputs, sequence_advantages, forwards) -> 
     return True
 
 
-@pytest.mark.parametrize("capture", [False, True], ids=["own_student_pass", "captured_from_trl"])
-def test_student_hidden_states_come_from_one_pass(tmp_path, tok, monkeypatch, capture):
-    """With steps_per_generation=2 TRL computes old log-probs itself; GEAR then reuses that
-    forward's hidden states instead of running the student a second time."""
-    overrides = {"steps_per_generation": 2, "per_device_train_batch_size": 2} if capture else {}
-    trainer = make_trainer(tmp_path, tok, **overrides)
+SOURCES = {  # where the student's hidden states come from -> trainer overrides
+    "generation": {},
+    "trl_pass": {"steps_per_generation": 2, "per_device_train_batch_size": 2},
+    "own_forward": {"student_hidden_from_generation": False},
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_student_hidden_states_come_from_one_pass(tmp_path, tok, monkeypatch, source):
+    """GEAR runs no student forward of its own when generation (single-turn transformers path)
+    or TRL (old log-probs, here with steps_per_generation=2) already computed those states; the
+    states it reads equal those of a plain student pass over the same rows."""
+    trainer = make_trainer(tmp_path, tok, **SOURCES[source])
     calls, hidden = [], []
     real, real_signals = trainer._final_hidden, trainer._signals
     monkeypatch.setattr(
         trainer, "_final_hidden", lambda *a, **k: calls.append(a[0]) or real(*a, **k)
     )
     monkeypatch.setattr(
-        trainer, "_signals", lambda s, t, ids: hidden.append(s) or real_signals(s, t, ids)
+        trainer, "_signals", lambda s, t, ids, **k: hidden.append(s) or real_signals(s, t, ids, **k)
     )
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     inputs = trainer._generate_and_score_completions(batch)
-    assert len(calls) == (1 if capture else 2)  # teacher only, or student + teacher
+    assert len(calls) == (2 if source == "own_forward" else 1)  # student + teacher, or teacher
     assert inputs["advantages"].dim() == 2
-    assert ("old_per_token_logps" in inputs) == capture
-    # the captured hidden states are those of a plain student pass over the same rows
+    assert ("old_per_token_logps" in inputs) == (source == "trl_pass")
     with torch.no_grad():
         own = real(
             trainer.model,
@@ -194,7 +200,9 @@ def test_student_hidden_states_come_from_one_pass(tmp_path, tok, monkeypatch, ca
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
             inputs["completion_ids"].size(1),
         )
-    torch.testing.assert_close(hidden[0], own, atol=1e-5, rtol=1e-4)
+    valid = inputs["completion_mask"].bool()  # generation's states after EOS are of padding
+    assert hidden[0].shape == own.shape
+    torch.testing.assert_close(hidden[0][valid], own[valid], atol=1e-5, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

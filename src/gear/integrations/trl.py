@@ -168,6 +168,15 @@ class GEARConfig(GRPOConfig):
         default="full", metadata={"help": "KL estimator: 'full' (exact), 'topk', 'k1' or 'k3'."}
     )
     kl_topk: int = field(default=64, metadata={"help": "k of the 'topk' KL estimator."})
+    student_hidden_from_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Read the student's final hidden states off transformers generation (the "
+            "states the tokens were sampled from) instead of a second no-grad student forward. "
+            "Used on the single-turn transformers path only; vLLM, continuous batching, tools, "
+            "environments, rollout_func and VLMs run the forward."
+        },
+    )
     signal_chunk_size: int = field(
         default=DEFAULT_CHUNK,
         metadata={
@@ -355,6 +364,7 @@ class GEARTrainer(GRPOTrainer):
         self._gear_prompts: list | None = None  # prompts of the batch being generated
         self._gear_rewards: Tensor | None = None  # (all rows, reward funcs), gathered
         self._gear_capture: list[Tensor] | None = None  # armed: capture the student hidden states
+        self._gear_generation: list[Tensor] | None = None  # armed: capture generation states
         self._gear_next_record_step = 0
 
     # ------------------------------------------------------------------------------- teacher
@@ -467,6 +477,29 @@ class GEARTrainer(GRPOTrainer):
         self._gear_prompts = copy.deepcopy(prompts)
         return super()._generate(prompts)
 
+    def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
+        sink = self._gear_generation
+        if sink is None:
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with self._capture_hidden(self.model, 1, detach=True, next_token=True) as steps:
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        if steps:  # one (B, 1, H) per decoding step: position t predicted completion token t
+            sink.append(torch.cat(steps, dim=1))
+        return out
+
+    def _reads_generation_hidden(self) -> bool:
+        """Whether `_generate_single_turn` is the plain transformers `generate` of whole
+        completions, whose per-step final hidden states are the student's."""
+        return (
+            self.args.student_hidden_from_generation
+            and not self.use_vllm
+            and not self.use_transformers_continuous_batching
+            and self.rollout_func is None
+            and not self.tools
+            and self.environment_factories is None
+            and not self._is_vlm
+        )
+
     def _calculate_rewards(
         self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
     ) -> Tensor:
@@ -508,10 +541,18 @@ class GEARTrainer(GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction
         )
         self._gear_capture = capture if need_signals and trl_runs_student else None
+        from_generation = need_signals and not trl_runs_student and self._reads_generation_hidden()
+        self._gear_generation = [] if from_generation else None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._gear_capture = None
+            generated, self._gear_generation = self._gear_generation, None
+        if generated and len(generated) == 1:
+            hidden = generated[0]
+            B, T = output["completion_ids"].shape
+            if hidden.shape[0] == B and hidden.shape[1] >= T:
+                capture.append(hidden[:, :T])
 
         stats: dict[str, float] = {}
         signals = None
@@ -554,7 +595,8 @@ class GEARTrainer(GRPOTrainer):
         mode: str,
         stats: dict[str, float],
     ) -> TokenSignals:
-        """One student pass (or TRL's, captured) and one teacher pass, then the chunked signals."""
+        """One student pass (or the states of generation or of TRL's pass, captured) and one
+        teacher pass, then the chunked signals."""
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         n_keep = completion_ids.size(1)
         batch_size = (
@@ -578,7 +620,9 @@ class GEARTrainer(GRPOTrainer):
             self._teacher(), teacher_ids, teacher_mask, n_keep, batch_size
         )
         t2 = time.perf_counter()
-        signals = self._signals(student_hidden, teacher_hidden, completion_ids)
+        signals = self._signals(
+            student_hidden, teacher_hidden, completion_ids, mask=_response_mask(output)[0]
+        )
         stats["gear/time_student"] = 0.0 if capture else t1 - t0
         stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
         return signals
@@ -724,14 +768,16 @@ class GEARTrainer(GRPOTrainer):
 
     @contextmanager
     def _capture_hidden(
-        self, model: nn.Module, n_keep: int, detach: bool
+        self, model: nn.Module, n_keep: int, detach: bool, next_token: bool = False
     ) -> Iterator[list[Tensor]]:
-        """Collect the final hidden states that predict the last `n_keep` tokens of each forward."""
+        """Collect, from each forward, the final hidden states that predict its last `n_keep`
+        tokens (or, with `next_token`, the one that predicts the token after the input)."""
         captured: list[Tensor] = []
+        positions = slice(-1, None) if next_token else slice(-n_keep - 1, -1)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-            hidden = hidden[:, -n_keep - 1 : -1]
+            hidden = hidden[:, positions]
             captured.append(hidden.detach() if detach else hidden)
 
         handle = _backbone(self.accelerator.unwrap_model(model)).register_forward_hook(hook)
@@ -800,14 +846,20 @@ class GEARTrainer(GRPOTrainer):
         return self.temperature / self._logit_scale
 
     def _signals(
-        self, student_hidden: Tensor, teacher_hidden: Tensor, token_ids: Tensor
+        self,
+        student_hidden: Tensor,
+        teacher_hidden: Tensor,
+        token_ids: Tensor,
+        mask: Tensor | None = None,
     ) -> TokenSignals:
-        """Per-token KL / entropy / log-probs from the final hidden states (spec §1)."""
+        """Per-token KL / entropy / log-probs from the final hidden states (spec §1), computed
+        at the `mask` positions only (policy tokens; 0 elsewhere)."""
         kwargs = dict(
             temperature=self._signal_temperature,
             estimator=self.args.kl_estimator,
             topk=self.args.kl_topk,
             chunk_size=self.args.signal_chunk_size,
+            mask=mask,
         )
         with self._heads() as (ws, bs, wt, bt):
             hs, ht = student_hidden.to(ws.dtype), teacher_hidden.to(wt.dtype)
