@@ -42,13 +42,22 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def _log_softmax_(logits: Tensor, temperature: float, owned: bool) -> Tensor:
-    """log_softmax(logits / temperature) in float32, in place when the logits are ours to spend."""
+def _scaled_float32(logits: Tensor, temperature: float, owned: bool) -> Tensor:
+    """logits / temperature in float32: in place when the logits are ours to spend, else a copy."""
     if owned and logits.dtype == torch.float32:
-        out = logits if temperature == 1.0 else logits.mul_(1.0 / temperature)
-    else:
-        out = logits.to(torch.float32) * (1.0 / temperature)  # a fresh tensor
-    return out.sub_(out.logsumexp(dim=-1, keepdim=True))
+        return logits if temperature == 1.0 else logits.mul_(1.0 / temperature)
+    return logits.to(torch.float32) * (1.0 / temperature)  # a fresh tensor
+
+
+def _log_softmax_(x: Tensor, scratch: Tensor) -> Tensor:
+    """x <- log_softmax(x) in place and scratch <- softmax(x); both (M, V) float32.
+
+    Unlike `torch.logsumexp`, allocates no (M, V) temporary."""
+    x.sub_(x.amax(dim=1, keepdim=True))
+    torch.exp(x, out=scratch)
+    total = scratch.sum(dim=1, keepdim=True)
+    scratch.div_(total)
+    return x.sub_(total.log_())
 
 
 def _chunk_signals(
@@ -64,13 +73,16 @@ def _chunk_signals(
     `owned`: the logits are temporaries of ours and may be overwritten.
 
     Returns kl, entropy, student log-prob, teacher log-prob, each (M,) float32.
-    Holds three (M, V) float32 tensors at its peak.
+    Holds three (M, V) float32 tensors at its peak: the two log-softmaxes (in the logits' own
+    storage when they are owned float32) and the student's probabilities.
     """
-    logp_s = _log_softmax_(s_logits, temperature, owned)
-    logp_t = _log_softmax_(t_logits, temperature, owned)
+    logp_s = _scaled_float32(s_logits, temperature, owned)
+    logp_t = _scaled_float32(t_logits, temperature, owned)
+    p_s = torch.empty_like(logp_s)
+    _log_softmax_(logp_t, scratch=p_s)
+    _log_softmax_(logp_s, scratch=p_s)  # p_s now holds the student's probabilities
     lp_s = logp_s.gather(1, ids[:, None]).squeeze(1)
     lp_t = logp_t.gather(1, ids[:, None]).squeeze(1)
-    p_s = logp_s.exp()
     entropy = -_dot(p_s, logp_s)
     if estimator == "full":
         logp_t.neg_().add_(logp_s)  # log pi_S - log pi_T, in place
@@ -133,6 +145,7 @@ def _run(
         rows = slice(start, stop) if positions is None else positions[start:stop]
         s, t = make_logits(rows)
         signals = _chunk_signals(s, t, ids[rows], temperature, estimator, topk, owned)
+        del s, t  # before the next chunk's logits exist
         for i, v in enumerate(signals):
             out[i, rows] = v
     kl, ent, lp_s, lp_t = (v.view(N, T) for v in out)
