@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import torch
@@ -93,7 +94,14 @@ def isolated(target: Callable[..., dict], **kwargs: Any) -> dict:
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(target, kwargs, queue))
     proc.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except Empty:
+            if not proc.is_alive():  # killed (out of memory) before it could report
+                result = {"error": f"the measuring process died (exit code {proc.exitcode})"}
+                break
     proc.join()
     return result
 

@@ -17,8 +17,8 @@ step "step benchmark";    $PY benchmarks/step.py --steps 3 --repeats 2 > $R/step
 step "learning study";    $GEAR compare --config study --methods grpo --methods gear --methods gear_token \
                             --methods rlsd --seeds 0 --seeds 1 --seeds 2 --out runs/study > $R/study.log 2>&1
 step "signals benchmark"; $PY benchmarks/signals.py --vocab 49152 151936 --T 512 2048 8192 \
-                            --methods chunked_logits hidden trl --chunk-size 128 256 --repeats 2 > $R/signals.log 2>&1
-step "signals naive";     $PY benchmarks/signals.py --vocab 49152 151936 --T 512 2048 --methods naive \
+                            --methods hidden chunked_logits trl --chunk-size 256 1024 --repeats 2 > $R/signals.log 2>&1
+step "signals naive";     $PY benchmarks/signals.py --vocab 49152 151936 --T 512 2048 8192 --methods naive \
                             --repeats 2 --name signals_naive > $R/signals_naive.log 2>&1
 step "credit benchmark";  $PY benchmarks/credit.py > $R/credit.log 2>&1
 for target in smollm2 ${DEFAULT_RUN:+"$DEFAULT_RUN"}; do

@@ -93,6 +93,15 @@ def case(
     }
 
 
+def _available_gb() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        return kb / 2**20
+    except (OSError, StopIteration):
+        return float("inf")
+
+
 def check_agreement(V: int, device: str) -> float:
     """Max |KL difference| between gear's hidden path and TRL's kernel on a small case."""
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
@@ -123,12 +132,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--name", default="signals", help="results/<name>.json")
+    ap.add_argument(
+        "--memory-gb",
+        type=float,
+        default=_available_gb(),
+        help="skip naive cases whose five (N, T, V) float32 tensors would not fit (default: "
+        "available memory)",
+    )
     args = ap.parse_args(argv)
 
     rows = []
     for V in args.vocab:
         for T in args.T:
             for method in args.methods:
+                naive_gb = 5 * args.N * T * V * 4 / 2**30
+                if method == "naive" and naive_gb > args.memory_gb:
+                    r = {
+                        "method": method,
+                        "N": args.N,
+                        "T": T,
+                        "V": V,
+                        "error": (
+                            f"skipped: needs about {naive_gb:.0f} GB, {args.memory_gb:.0f} GB available"
+                        ),
+                    }
+                    rows.append(r)
+                    print(r, flush=True)
+                    continue
                 for cs in args.chunk_size if method in ("chunked_logits", "hidden") else [None]:
                     r = isolated(
                         case,

@@ -13,9 +13,10 @@ The trainer only wires TRL's batch to `gear.credit` and the teacher (spec §1-5)
 1. TRL generates, scores and computes the sequence advantages A_i as usual (`super()`).
 2. Teacher prompts (the student's prompt with a ground-truth hint, `gear.teacher`) are rendered
    with the same tokenizer, chat template and tool schemas as generation.
-3. One no-grad student pass on prompt + completion and one no-grad teacher pass on teacher
-   prompt + the same completion ids give final hidden states; when TRL already runs the student
-   pass (for `old_per_token_logps`) its hidden states are captured instead of running it again.
+3. One no-grad teacher pass on teacher prompt + the completion ids gives final hidden states.
+   The student's are read off generation (single-turn transformers path), or off TRL's own
+   student pass when it runs one (for `old_per_token_logps`); otherwise one no-grad student
+   pass on prompt + completion computes them.
 4. `gear.credit.signals_from_hidden` turns them into per-token KL / entropy / log-probs, chunk
    by chunk, and `gear.credit.credit_details` into (B, T) token advantages, which replace TRL's
    (B,) advantages; every TRL loss type accepts (B, T) advantages.
