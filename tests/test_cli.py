@@ -90,6 +90,21 @@ def test_eval_and_inspect_work_on_the_run_directory(run_dir):
     assert "credit-data" in page and (run_dir / "plots" / "figure2.png").stat().st_size > 0
 
 
+def test_eval_says_when_the_split_has_fewer_problems_than_asked(run_dir, tmp_path):
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    rows = [
+        {"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+        for i in range(2)
+    ]
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", str(run_dir), "--task", "gsm8k", "--task-option", f"path={data}", "--n", "5"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "eval_gsm8k_test.json").read_text())["n_problems"] == 2
+    assert "has 2 problems" in " ".join(result.output.split())
+
+
 def test_compare_trains_every_method_and_seed_and_writes_a_table(tiny_dir, tmp_path):
     out = tmp_path / "study"
     args = [

@@ -226,6 +226,11 @@ def eval_(
         table.add_column(f"pass@{k}")
     table.add_row(*(f"{v:.3f}" for v in result.pass_at.values()))
     console.print(table)
+    if n is not None and result.n_problems < n:
+        console.print(
+            f"[yellow]note:[/] {task_name}/{split} has {result.n_problems} problems; all of them "
+            f"were evaluated (--n asked for {n})"
+        )
     console.print(f"wrote {out_dir / (stem + '.json')} and .md")
 
 
