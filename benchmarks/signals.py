@@ -2,7 +2,7 @@
 chunked-logits path vs gear's hidden-state path vs TRL's chunked divergence kernel.
 
     .venv/bin/python benchmarks/signals.py --vocab 49152 --T 512 2048
-    .venv/bin/python benchmarks/signals.py --vocab 49152 151936 --T 512 2048 8192 --chunk-size 128 256 512
+    .venv/bin/python benchmarks/signals.py --vocab 49152 151936 --T 512 2048 8192 --chunk-size 256 1024
 
 Each case runs in a fresh process; time is the median of --repeats calls, memory the peak
 extra RSS (CPU) or max allocated (CUDA) above the inputs.
@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import isolated, print_table, time_and_memory, write_json
 
-METHODS = ("naive", "chunked_logits", "hidden", "trl")
+METHODS = ("naive", "chunked_logits", "hidden", "trl", "gemm_only")
+CHUNKED = ("chunked_logits", "hidden", "gemm_only")
 
 
 def _inputs(N: int, T: int, H: int, V: int, dtype: torch.dtype, device: str):
@@ -78,7 +79,20 @@ def case(
             h_s, W, None, h_t, W, None, 1.0, 1.0, 1.0, None, 1.0, None
         )
 
-    fn = {"naive": naive, "chunked_logits": chunked_logits, "hidden": hidden, "trl": trl}[method]
+    @torch.no_grad()
+    def gemm_only():  # the hidden path's two logit GEMMs per chunk and nothing else: its floor
+        h_s, h_t = hs.reshape(-1, H), ht.reshape(-1, H)
+        for a in range(0, h_s.shape[0], chunk_size):
+            torch.nn.functional.linear(h_s[a : a + chunk_size], W)
+            torch.nn.functional.linear(h_t[a : a + chunk_size], W)
+
+    fn = {
+        "naive": naive,
+        "chunked_logits": chunked_logits,
+        "hidden": hidden,
+        "trl": trl,
+        "gemm_only": gemm_only,
+    }[method]
     out = time_and_memory(fn, repeats, sync)
     return {
         "method": method,
@@ -88,7 +102,7 @@ def case(
         "H": H,
         "dtype": dtype,
         "device": device,
-        "chunk_size": chunk_size if method in ("chunked_logits", "hidden") else None,
+        "chunk_size": chunk_size if method in CHUNKED else None,
         **out,
     }
 
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     rows.append(r)
                     print(r, flush=True)
                     continue
-                for cs in args.chunk_size if method in ("chunked_logits", "hidden") else [None]:
+                for cs in args.chunk_size if method in CHUNKED else [None]:
                     r = isolated(
                         case,
                         method=method,
