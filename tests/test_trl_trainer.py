@@ -170,6 +170,8 @@ SOURCES = {  # where the student's hidden states come from -> trainer overrides
     "generation": {},
     "trl_pass": {"steps_per_generation": 2, "per_device_train_batch_size": 2},
     "own_forward": {"student_hidden_from_generation": False},
+    # beams: generation's states are not one row per completion, so GEAR runs the forward
+    "beam_search": {"generation_kwargs": {"num_beams": 2}},
 }
 
 
@@ -190,7 +192,8 @@ def test_student_hidden_states_come_from_one_pass(tmp_path, tok, monkeypatch, so
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     inputs = trainer._generate_and_score_completions(batch)
-    assert len(calls) == (2 if source == "own_forward" else 1)  # student + teacher, or teacher
+    own_pass = source in ("own_forward", "beam_search")
+    assert len(calls) == (2 if own_pass else 1)  # student + teacher, or teacher only
     assert inputs["advantages"].dim() == 2
     assert ("old_per_token_logps" in inputs) == (source == "trl_pass")
     with torch.no_grad():

@@ -484,7 +484,11 @@ class GEARTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with self._capture_hidden(self.model, 1, detach=True, next_token=True) as steps:
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        if steps:  # one (B, 1, H) per decoding step: position t predicted completion token t
+        completion_ids = out[0]
+        # one (B, 1, H) per decoding step, position t predicting completion token t, only if
+        # generation ran one forward per token (not so with beams, assisted or lookup decoding)
+        longest = max((len(c) for c in completion_ids), default=0)
+        if steps and len(steps) == longest and steps[0].shape[0] == len(completion_ids):
             sink.append(torch.cat(steps, dim=1))
         return out
 
