@@ -99,8 +99,11 @@ def isolated(target: Callable[..., dict], **kwargs: Any) -> dict:
             result = queue.get(timeout=1.0)
             break
         except Empty:
-            if not proc.is_alive():  # killed (out of memory) before it could report
-                result = {"error": f"the measuring process died (exit code {proc.exitcode})"}
+            if not proc.is_alive():  # killed (out of memory) before it could report?
+                try:  # or it reported and exited just after the timeout
+                    result = queue.get(timeout=1.0)
+                except Empty:
+                    result = {"error": f"the measuring process died (exit code {proc.exitcode})"}
                 break
     proc.join()
     return result

@@ -149,11 +149,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--memory-gb",
         type=float,
-        default=_available_gb(),
+        default=None,
         help="skip naive cases whose five (N, T, V) float32 tensors would not fit (default: "
-        "available memory)",
+        "free memory of the device)",
     )
     args = ap.parse_args(argv)
+    if args.memory_gb is None:
+        cuda = args.device.startswith("cuda")
+        args.memory_gb = torch.cuda.mem_get_info()[0] / 2**30 if cuda else _available_gb()
 
     rows = []
     for V in args.vocab:

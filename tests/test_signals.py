@@ -141,6 +141,20 @@ def test_a_mask_computes_only_its_positions_and_zeros_the_rest(estimator, chunk_
             assert (got[~mask] == 0).all(), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_callers_logits_are_left_untouched(dtype, temperature, masked):
+    hs, ht, W, ids = make(seed=4)
+    s, t = (hs @ W.T).to(dtype), (ht @ W.T).to(dtype)
+    s0, t0 = s.clone(), t.clone()
+    mask = torch.ones(ids.shape, dtype=torch.bool) if masked else None
+    sig = signals_from_logits(s, t, ids, temperature=temperature, chunk_size=5, mask=mask)
+    assert torch.equal(s, s0) and torch.equal(t, t0)
+    kl = naive(s.float(), t.float(), ids, temperature)[0]
+    torch.testing.assert_close(sig.kl.double(), kl, atol=1e-5, rtol=0)
+
+
 def test_a_bad_mask_is_named():
     hs, ht, W, ids = make()
     with pytest.raises(ValueError, match="mask"):

@@ -168,6 +168,7 @@ def _oracle_check(trainer, tok, rows, inputs, sequence_advantages, forwards) -> 
 
 SOURCES = {  # where the student's hidden states come from -> trainer overrides
     "generation": {},
+    "generation_padded": {"pad_to_multiple_of": 8},  # TRL pads completions past the longest
     "trl_pass": {"steps_per_generation": 2, "per_device_train_batch_size": 2},
     "own_forward": {"student_hidden_from_generation": False},
     # beams: generation's states are not one row per completion, so GEAR runs the forward
@@ -180,7 +181,14 @@ def test_student_hidden_states_come_from_one_pass(tmp_path, tok, monkeypatch, so
     """GEAR runs no student forward of its own when generation (single-turn transformers path)
     or TRL (old log-probs, here with steps_per_generation=2) already computed those states; the
     states it reads equal those of a plain student pass over the same rows."""
-    trainer = make_trainer(tmp_path, tok, **SOURCES[source])
+    data = dataset()  # prompts of different lengths: generation left-pads them
+    data = data.map(
+        lambda row, i: {
+            "prompt": [{"role": "user", "content": "Hm, " * i + row["prompt"][0]["content"]}]
+        },
+        with_indices=True,
+    )
+    trainer = make_trainer(tmp_path, tok, data=data, **SOURCES[source])
     calls, hidden = [], []
     real, real_signals = trainer._final_hidden, trainer._signals
     monkeypatch.setattr(

@@ -44,9 +44,11 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 def _scaled_float32(logits: Tensor, temperature: float, owned: bool) -> Tensor:
     """logits / temperature in float32: in place when the logits are ours to spend, else a copy."""
-    if owned and logits.dtype == torch.float32:
-        return logits if temperature == 1.0 else logits.mul_(1.0 / temperature)
-    return logits.to(torch.float32) * (1.0 / temperature)  # a fresh tensor
+    if logits.dtype != torch.float32:
+        logits, owned = logits.float(), True  # a fresh float32 copy
+    if not owned:
+        return logits * (1.0 / temperature)  # a fresh tensor; the caller's stays intact
+    return logits if temperature == 1.0 else logits.mul_(1.0 / temperature)
 
 
 def _log_softmax_(x: Tensor, scratch: Tensor) -> Tensor:
@@ -197,7 +199,7 @@ def signals_from_logits(
         estimator,
         topk,
         chunk_size,
-        owned=False,
+        owned=mask is not None,  # indexing with the mask's positions copies; slicing does not
     )
 
 

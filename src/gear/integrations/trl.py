@@ -484,13 +484,21 @@ class GEARTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with self._capture_hidden(self.model, 1, detach=True, next_token=True) as steps:
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        # One (B, 1, H) per decoding step, position t predicting completion token t. With
+        # synced_gpus (ZeRO-3 / FSDP) a finished rank keeps stepping until all are done: its own
+        # steps come first. All ranks take the same path, or sharded forwards would not pair up.
         completion_ids = out[0]
-        # one (B, 1, H) per decoding step, position t predicting completion token t, only if
-        # generation ran one forward per token (not so with beams, assisted or lookup decoding)
         longest = max((len(c) for c in completion_ids), default=0)
-        if steps and len(steps) == longest and steps[0].shape[0] == len(completion_ids):
-            sink.append(torch.cat(steps, dim=1))
+        usable = 0 < longest <= len(steps) and steps[0].shape[0] == len(completion_ids)
+        if self._on_every_process(usable):
+            sink.append(torch.cat(steps[:longest], dim=1))
         return out
+
+    def _on_every_process(self, flag: bool) -> bool:
+        if self.accelerator.num_processes == 1:
+            return flag
+        votes = self.accelerator.gather(torch.tensor([float(flag)], device=self.accelerator.device))
+        return bool(votes.min() > 0)
 
     def _reads_generation_hidden(self) -> bool:
         """Whether `_generate_single_turn` is the plain transformers `generate` of whole
@@ -503,6 +511,8 @@ class GEARTrainer(GRPOTrainer):
             and not self.tools
             and self.environment_factories is None
             and not self._is_vlm
+            and (getattr(self.generation_config, "num_beams", None) or 1) == 1
+            and getattr(self.generation_config, "prompt_lookup_num_tokens", None) is None
         )
 
     def _calculate_rewards(
@@ -553,11 +563,10 @@ class GEARTrainer(GRPOTrainer):
         finally:
             self._gear_capture = None
             generated, self._gear_generation = self._gear_generation, None
-        if generated and len(generated) == 1:
+        if generated:  # (B, longest, H); TRL may pad completions further (pad_to_multiple_of)
             hidden = generated[0]
-            B, T = output["completion_ids"].shape
-            if hidden.shape[0] == B and hidden.shape[1] >= T:
-                capture.append(hidden[:, :T])
+            width = output["completion_ids"].shape[1]
+            capture.append(torch.nn.functional.pad(hidden, (0, 0, 0, width - hidden.shape[1])))
 
         stats: dict[str, float] = {}
         signals = None
@@ -783,6 +792,8 @@ class GEARTrainer(GRPOTrainer):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             hidden = hidden[:, positions]
+            if next_token:  # a copy: a view would keep the prefill's (B, P, H) states alive
+                hidden = hidden.clone()
             captured.append(hidden.detach() if detach else hidden)
 
         handle = _backbone(self.accelerator.unwrap_model(model)).register_forward_hook(hook)
