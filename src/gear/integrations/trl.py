@@ -175,7 +175,8 @@ class GEARConfig(GRPOConfig):
             "help": "Read the student's final hidden states off transformers generation (the "
             "states the tokens were sampled from) instead of a second no-grad student forward. "
             "Used on the single-turn transformers path only; vLLM, continuous batching, tools, "
-            "environments, rollout_func and VLMs run the forward."
+            "environments, rollout_func, VLMs, beam search and prompt-lookup decoding run the "
+            "forward."
         },
     )
     signal_chunk_size: int = field(
