@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from gear.models import byte_tokenizer as models_byte_tokenizer
-from gear.models import smollm2_tokenizer
+from gear.models import smollm2_tokenizer, tiny_llama
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -39,20 +39,9 @@ def tiny_model(tok: Any, seed: int = 0, hidden: int = 16, layers: int = 1) -> Ll
     """A random 1-layer Llama with the tokenizer's vocabulary; init std 0.2 so that
     distributions are far from uniform and KL between two prompts is not ~0."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
+    return tiny_llama(
+        tok, hidden_size=hidden, num_layers=layers, num_attention_heads=2, num_key_value_heads=1
     )
-    return LlamaForCausalLM(config)
 
 
 def dataset(n: int = 4) -> Dataset:

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -191,6 +192,36 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+def tiny_llama(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    std: float = 0.2,
+    **config: Any,
+) -> LlamaForCausalLM:
+    """An untrained Llama with the tokenizer's vocabulary and special ids, tied embeddings and
+    weights N(0, ``std``), drawn from the global torch RNG; ``config``: more LlamaConfig fields."""
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            initializer_range=std,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **config,
+        )
+    )
+
+
 def tiny_model_and_tokenizer(
     vocab: str = "smollm2",
     seed: int = 0,
@@ -214,23 +245,15 @@ def tiny_model_and_tokenizer(
         tokenizer = byte_tokenizer()
     else:
         raise ValueError(f"unknown vocab {vocab!r}; valid: 'smollm2', 'bytes'")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        initializer_range=std,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = tiny_llama(
+            tokenizer,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            std=std,
+            max_position_embeddings=8192,
+        )
     with torch.no_grad():
         model.model.norm.weight.fill_(logit_std / (std * hidden_size**0.5))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
