@@ -571,6 +571,7 @@ class GEARTrainer(GRPOTrainer):
 
         stats: dict[str, float] = {}
         signals = None
+        valid, turn_starts = _response_mask(output)
         if need_signals or not rl:
             t0 = time.perf_counter()
             gts = _ground_truths(inputs, self.args.ground_truth_column)
@@ -583,10 +584,11 @@ class GEARTrainer(GRPOTrainer):
                 )
                 self._log_stats(mode, stats)
                 return output
-            signals = self._token_signals(output, capture, teacher_ids, teacher_mask, mode, stats)
+            signals = self._token_signals(
+                output, capture, teacher_ids, teacher_mask, valid, mode, stats
+            )
 
         t0 = time.perf_counter()
-        valid, turn_starts = _response_mask(output)
         sequence_advantages = output["advantages"]
         details = self._credit(sequence_advantages, valid, turn_starts, signals)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
@@ -607,11 +609,12 @@ class GEARTrainer(GRPOTrainer):
         capture: list[Tensor],
         teacher_ids: Tensor,
         teacher_mask: Tensor,
+        valid: Tensor,
         mode: str,
         stats: dict[str, float],
     ) -> TokenSignals:
         """One student pass (or the states of generation or of TRL's pass, captured) and one
-        teacher pass, then the chunked signals."""
+        teacher pass, then the chunked signals at the (B, T) `valid` policy tokens."""
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         n_keep = completion_ids.size(1)
         batch_size = (
@@ -635,9 +638,7 @@ class GEARTrainer(GRPOTrainer):
             self._teacher(), teacher_ids, teacher_mask, n_keep, batch_size
         )
         t2 = time.perf_counter()
-        signals = self._signals(
-            student_hidden, teacher_hidden, completion_ids, mask=_response_mask(output)[0]
-        )
+        signals = self._signals(student_hidden, teacher_hidden, completion_ids, mask=valid)
         stats["gear/time_student"] = 0.0 if capture else t1 - t0
         stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
         return signals
