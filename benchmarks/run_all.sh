@@ -24,6 +24,7 @@ step "signals, small chunks"; $PY benchmarks/signals.py --vocab 49152 151936 --T
                             --chunk-size 64 128 --repeats 2 --name signals_small_chunks > $R/signals_small_chunks.log 2>&1
 step "signals, GEMMs alone"; $PY benchmarks/signals.py --vocab 49152 151936 --T 2048 --methods gemm_only hidden \
                             --chunk-size 256 --repeats 2 --name signals_gemm > $R/signals_gemm.log 2>&1
+step "student states"; $PY benchmarks/student_states.py > $R/student_states.log 2>&1
 step "credit benchmark";  $PY benchmarks/credit.py --repeats 2 > $R/credit.log 2>&1
 for target in smollm2 ${DEFAULT_RUN:+"$DEFAULT_RUN"}; do
   out=$R/eval_$(basename "$target"); mkdir -p "$out"
