@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-import gear.integrations.trl as gear_trl
+import gear.integrations.trl.trainer as gear_trl
 from _trl_helpers import byte_tokenizer, make_trainer
 
 OBSERVATION = "<tool_response>42</tool_response>"

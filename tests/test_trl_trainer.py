@@ -11,7 +11,7 @@ import torch
 import trl
 from datasets import Dataset
 
-import gear.integrations.trl as gear_trl
+import gear.integrations.trl.trainer as gear_trl
 from _trl_helpers import byte_tokenizer, dataset, hash_reward, make_trainer, parameters, tiny_model
 from gear.credit import METHODS, CreditParams, credit_details, signals_from_logits
 from gear.integrations.trl import GEARTrainer
