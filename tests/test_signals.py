@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 import torch
 
-from gear.credit.signals import signals_from_hidden, signals_from_logits
+from gear.credit.signals import reverse_kl_from_hidden, signals_from_hidden, signals_from_logits
 
 
 def naive(s_logits, t_logits, ids, temperature=1.0):
@@ -185,3 +187,94 @@ def test_shape_mismatches_are_named():
         signals_from_hidden(hs, ht, W[:, :-1], ids)
     with pytest.raises(ValueError, match="token_ids"):
         signals_from_logits(hs @ W.T, ht @ W.T, ids[:, :-1])
+
+
+def test_without_a_teacher_only_the_students_signals_are_computed_and_equal_naive():
+    hs, ht, W, ids = make(seed=6)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) > 0.3
+    alone = signals_from_hidden(hs, None, W, ids, chunk_size=5, temperature=0.8, mask=mask)
+    _, ent, lp_s, _ = naive(hs @ W.T, ht @ W.T, ids, temperature=0.8)
+    assert alone.kl is None and alone.teacher_logprobs is None
+    torch.testing.assert_close(
+        alone.entropy.double(), torch.where(mask, ent, 0.0), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        alone.student_logprobs.double(), torch.where(mask, lp_s, 0.0), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_final_logit_softcap_is_applied_before_the_temperature(temperature):
+    hs, ht, W, ids = make(seed=7, scale=20.0)  # logits well past the cap
+    cap = 5.0
+    sig = signals_from_hidden(hs, ht, W, ids, temperature=temperature, softcap=cap, chunk_size=6)
+    capped = [torch.tanh(x @ W.T / cap) * cap for x in (hs, ht)]
+    for got, want in zip(astuple(sig), naive(*capped, ids, temperature), strict=True):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    plain = signals_from_hidden(hs, ht, W, ids, temperature=temperature)
+    assert not torch.allclose(plain.kl, sig.kl, atol=1e-3)
+    with pytest.raises(ValueError, match="softcap"):
+        signals_from_hidden(hs, ht, W, ids, softcap=0.0)
+
+
+def test_softcapped_signals_equal_a_gemma2_models_own_logits():
+    """The kernel applies the softcap exactly as Gemma 2 does: its log-probs of the sampled
+    tokens and its entropy equal those of the model's own (softcapped) logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0,
+        initializer_range=0.5, attn_implementation="eager",
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, :-1]  # final (normed) hidden states predicting ids[:, 1:]
+    logits = out.logits[:, :-1]
+    assert logits.abs().max() <= 2.0 + 1e-5  # the model capped them
+    head = model.get_output_embeddings().weight
+    sig = signals_from_hidden(hidden, hidden, head, ids[:, 1:], softcap=2.0, temperature=0.7)
+    _, ent, lp_s, _ = naive(logits, logits, ids[:, 1:], temperature=0.7)
+    torch.testing.assert_close(sig.student_logprobs.double(), lp_s, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sig.entropy.double(), ent, atol=1e-5, rtol=0)
+    uncapped = signals_from_hidden(hidden, hidden, head, ids[:, 1:], temperature=0.7)
+    assert not torch.allclose(uncapped.student_logprobs.double(), lp_s, atol=1e-3)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("separate_teacher_head", [False, True])
+def test_differentiable_reverse_kl_value_and_gradient_equal_naive(softcap, separate_teacher_head):
+    hs, ht, W, _ = make(N=1, T=13, seed=8)
+    hs, ht = hs[0], ht[0]
+    b = torch.randn(W.shape[0])
+    W_t = W + 0.1 * torch.randn_like(W) if separate_teacher_head else None
+
+    def leaves():
+        return hs.clone().requires_grad_(True), W.clone().requires_grad_(True)
+
+    def cap(x):
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    h1, w1 = leaves()
+    kl, ent = reverse_kl_from_hidden(
+        h1, ht, w1, lm_head_bias=b, teacher_lm_head_weight=W_t, teacher_lm_head_bias=b,
+        temperature=0.7, chunk_size=4,
+        softcap=softcap,
+    )  # fmt: skip
+    (kl * torch.arange(1.0, 14.0)).sum().backward()
+
+    h2, w2 = leaves()
+    logp_s = (cap(h2 @ w2.T + b) / 0.7).log_softmax(-1)
+    teacher_w = (W_t if separate_teacher_head else w2).detach()
+    logp_t = (cap(ht @ teacher_w.T + b) / 0.7).log_softmax(-1)
+    want = (logp_s.exp() * (logp_s - logp_t)).sum(-1)
+    (want * torch.arange(1.0, 14.0)).sum().backward()
+
+    torch.testing.assert_close(kl, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, -(logp_s.exp() * logp_s).sum(-1).detach(), atol=1e-5, rtol=0)
+    assert not ent.requires_grad
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-4)

@@ -2,10 +2,16 @@
 log-probabilities of the sampled tokens, computed chunk by chunk so that at most one chunk of
 (chunk_size, V) logits per model exists at a time.
 
-Two entry points share one kernel:
+Three entry points share one chunk loop (`_chunk_rows`):
 - `signals_from_logits`: the caller already has (N, T, V) logits of both models.
 - `signals_from_hidden`: the caller has (N, T, H) final hidden states and the LM head; logits
-  are formed per chunk and never for the whole batch.
+  are formed per chunk and never for the whole batch. Without a teacher (`teacher_hidden=None`)
+  only the student's entropy and log-probs are computed (methods such as `entropy_top`).
+- `reverse_kl_from_hidden`: the differentiable KL(student || detached teacher) of the
+  self-distillation loss, one checkpointed chunk at a time.
+
+Final-logit softcapping (`softcap=c`, Gemma 2/3) is applied to the LM head's output exactly as
+those models do, c * tanh(logits / c), before the temperature.
 
 Estimators of the KL (`estimator=`):
 - "full": sum over the vocabulary, exact (default).
@@ -17,11 +23,13 @@ The entropy is always the full-vocabulary entropy of the student.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 ESTIMATORS = ("full", "topk", "k1", "k3")
 DEFAULT_CHUNK = 256
@@ -29,12 +37,13 @@ DEFAULT_CHUNK = 256
 
 @dataclass
 class TokenSignals:
-    """Per-token signals, each (N, T) float32 without gradient."""
+    """Per-token signals, each (N, T) float32 without gradient; `kl` and `teacher_logprobs` are
+    None when no teacher was given."""
 
-    kl: Tensor
+    kl: Tensor | None
     entropy: Tensor
     student_logprobs: Tensor
-    teacher_logprobs: Tensor
+    teacher_logprobs: Tensor | None
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
@@ -42,10 +51,17 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def _scaled_float32(logits: Tensor, temperature: float, owned: bool) -> Tensor:
-    """logits / temperature in float32: in place when the logits are ours to spend, else a copy."""
+def _scaled_float32(
+    logits: Tensor, temperature: float, owned: bool, softcap: float | None = None
+) -> Tensor:
+    """softcap(logits) / temperature in float32: in place when the logits are ours to spend,
+    else a copy."""
     if logits.dtype != torch.float32:
         logits, owned = logits.float(), True  # a fresh float32 copy
+    if softcap is not None:  # as Gemma 2/3: logits / c, tanh, * c
+        logits = logits.div_(softcap) if owned else logits / softcap
+        owned = True
+        logits.tanh_().mul_(softcap)
     if not owned:
         return logits * (1.0 / temperature)  # a fresh tensor; the caller's stays intact
     return logits if temperature == 1.0 else logits.mul_(1.0 / temperature)
@@ -64,28 +80,34 @@ def _log_softmax_(x: Tensor, scratch: Tensor) -> Tensor:
 
 def _chunk_signals(
     s_logits: Tensor,
-    t_logits: Tensor,
+    t_logits: Tensor | None,
     ids: Tensor,
     temperature: float,
     estimator: str,
     topk: int,
     owned: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Kernel on one chunk. s_logits, t_logits: (M, V) any float dtype; ids: (M,) long.
-    `owned`: the logits are temporaries of ours and may be overwritten.
+    softcap: float | None = None,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
+    """Kernel on one chunk. s_logits, t_logits: (M, V) any float dtype (t_logits None: student
+    only); ids: (M,) long. `owned`: the logits are temporaries of ours and may be overwritten.
 
-    Returns kl, entropy, student log-prob, teacher log-prob, each (M,) float32.
+    Returns kl, entropy, student log-prob, teacher log-prob, each (M,) float32 (kl and teacher
+    log-prob None without a teacher).
     Holds three (M, V) float32 tensors at its peak: the two log-softmaxes (in the logits' own
     storage when they are owned float32) and the student's probabilities.
     """
-    logp_s = _scaled_float32(s_logits, temperature, owned)
-    logp_t = _scaled_float32(t_logits, temperature, owned)
+    logp_s = _scaled_float32(s_logits, temperature, owned, softcap)
     p_s = torch.empty_like(logp_s)
-    _log_softmax_(logp_t, scratch=p_s)
+    logp_t = None
+    if t_logits is not None:
+        logp_t = _scaled_float32(t_logits, temperature, owned, softcap)
+        _log_softmax_(logp_t, scratch=p_s)
     _log_softmax_(logp_s, scratch=p_s)  # p_s now holds the student's probabilities
     lp_s = logp_s.gather(1, ids[:, None]).squeeze(1)
-    lp_t = logp_t.gather(1, ids[:, None]).squeeze(1)
     entropy = -_dot(p_s, logp_s)
+    if logp_t is None:
+        return None, entropy.clamp(min=0.0), lp_s, None
+    lp_t = logp_t.gather(1, ids[:, None]).squeeze(1)
     if estimator == "full":
         logp_t.neg_().add_(logp_s)  # log pi_S - log pi_T, in place
         kl = _dot(p_s, logp_t)
@@ -126,9 +148,16 @@ def _positions(mask: Tensor | None, shape: tuple[int, int]) -> Tensor | None:
     return mask.reshape(-1).nonzero().squeeze(1)
 
 
+def _chunk_rows(total: int, chunk_size: int, positions: Tensor | None) -> Iterator[Tensor | slice]:
+    """The rows of each chunk: slices of [0, total), or of `positions` when given."""
+    for start in range(0, total, chunk_size):
+        stop = min(start + chunk_size, total)
+        yield slice(start, stop) if positions is None else positions[start:stop]
+
+
 def _run(
     shape: tuple[int, int],
-    make_logits: Callable[[Tensor | slice], tuple[Tensor, Tensor]],  # flat rows -> 2 x (M, V)
+    make_logits: Callable[[Tensor | slice], tuple[Tensor, Tensor | None]],  # rows -> (M, V)s
     token_ids: Tensor,
     mask: Tensor | None,
     temperature: float,
@@ -136,21 +165,24 @@ def _run(
     topk: int,
     chunk_size: int,
     owned: bool,
+    softcap: float | None = None,
+    teacher: bool = True,
 ) -> TokenSignals:
     N, T = shape
     ids = token_ids.reshape(-1)
     positions = _positions(mask, shape)
     total = N * T if positions is None else positions.numel()
     out = torch.zeros(4, N * T, dtype=torch.float32, device=ids.device)
-    for start in range(0, total, chunk_size):
-        stop = min(start + chunk_size, total)
-        rows = slice(start, stop) if positions is None else positions[start:stop]
+    for rows in _chunk_rows(total, chunk_size, positions):
         s, t = make_logits(rows)
-        signals = _chunk_signals(s, t, ids[rows], temperature, estimator, topk, owned)
+        signals = _chunk_signals(s, t, ids[rows], temperature, estimator, topk, owned, softcap)
         del s, t  # before the next chunk's logits exist
         for i, v in enumerate(signals):
-            out[i, rows] = v
+            if v is not None:
+                out[i, rows] = v
     kl, ent, lp_s, lp_t = (v.view(N, T) for v in out)
+    if not teacher:
+        kl = lp_t = None
     return TokenSignals(kl=kl, entropy=ent, student_logprobs=lp_s, teacher_logprobs=lp_t)
 
 
@@ -206,7 +238,7 @@ def signals_from_logits(
 @torch.no_grad()
 def signals_from_hidden(
     student_hidden: Tensor,
-    teacher_hidden: Tensor,
+    teacher_hidden: Tensor | None,
     lm_head_weight: Tensor,
     token_ids: Tensor,
     *,
@@ -218,21 +250,32 @@ def signals_from_hidden(
     topk: int = 64,
     chunk_size: int = DEFAULT_CHUNK,
     mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> TokenSignals:
     """Signals from final hidden states and the LM head; logits exist one chunk at a time.
 
     Args:
-        student_hidden: (N, T, H); teacher_hidden: (N, T, H_t); position t predicts token_ids[:, t].
+        student_hidden: (N, T, H); teacher_hidden: (N, T, H_t), or None for the student's
+            entropy and log-probs only (`kl` and `teacher_logprobs` are then None);
+            position t predicts token_ids[:, t].
         lm_head_weight: (V, H). lm_head_bias: (V,) or None.
         teacher_lm_head_weight: (V, H_t) of a separate teacher (frozen / EMA copy, another
             model of the same vocabulary), or None to share the student's head.
         teacher_lm_head_bias: (V,) or None; used only with teacher_lm_head_weight.
         token_ids: (N, T) long.
         temperature, estimator, topk, chunk_size, mask: as in `signals_from_logits`.
+        softcap: the model's final-logit softcap c (logits <- c * tanh(logits / c), applied
+            before the temperature as Gemma 2/3 do), or None.
     Returns:
         `TokenSignals`, each (N, T) float32.
     """
     _validate(estimator, temperature, chunk_size)
+    _validate_softcap(softcap)
+    if teacher_hidden is None:
+        return _student_signals(
+            student_hidden, lm_head_weight, lm_head_bias, token_ids, temperature, chunk_size,
+            mask, softcap,
+        )  # fmt: skip
     if student_hidden.dim() != 3 or teacher_hidden.shape[:2] != student_hidden.shape[:2]:
         raise ValueError(
             f"teacher_hidden: expected (N, T, H_t) with the student's (N, T) = "
@@ -264,5 +307,152 @@ def signals_from_hidden(
         return s, t
 
     return _run(
-        (N, T), logits, token_ids, mask, temperature, estimator, topk, chunk_size, owned=True
+        (N, T),
+        logits,
+        token_ids,
+        mask,
+        temperature,
+        estimator,
+        topk,
+        chunk_size,
+        owned=True,
+        softcap=softcap,
     )
+
+
+def _student_signals(
+    student_hidden: Tensor,
+    lm_head_weight: Tensor,
+    lm_head_bias: Tensor | None,
+    token_ids: Tensor,
+    temperature: float,
+    chunk_size: int,
+    mask: Tensor | None,
+    softcap: float | None,
+) -> TokenSignals:
+    """Entropy and log-probs of the student alone (no teacher forward needed)."""
+    if student_hidden.dim() != 3:
+        raise ValueError(f"student_hidden: expected (N, T, H), got {tuple(student_hidden.shape)}")
+    N, T, H = student_hidden.shape
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
+        raise ValueError(
+            f"lm_head_weight: expected shape (V, {H}), got {tuple(lm_head_weight.shape)}"
+        )
+    if tuple(token_ids.shape) != (N, T):
+        raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
+    hs = student_hidden.reshape(N * T, H)
+    w_s = lm_head_weight.to(hs.dtype)
+    return _run(
+        (N, T),
+        lambda rows: (F.linear(hs[rows], w_s, lm_head_bias), None),
+        token_ids,
+        mask,
+        temperature,
+        "full",
+        1,
+        chunk_size,
+        owned=True,
+        softcap=softcap,
+        teacher=False,
+    )
+
+
+def _validate_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: expected None or a number > 0, got {softcap!r}")
+
+
+def _head_logp(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, softcap: float | None
+) -> Tensor:
+    """(M, V) float32 log pi from hidden states: head, softcap, temperature (differentiable)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return (logits / temperature).log_softmax(-1)
+
+
+def _kl_chunk(
+    hs: Tensor,
+    ht: Tensor,
+    ws: Tensor,
+    bs: Tensor | None,
+    wt: Tensor,
+    bt: Tensor | None,
+    temperature: float,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """KL(pi_S || pi_T) with gradient through the student, and the student entropy (detached)."""
+    logp_s = _head_logp(hs, ws, bs, temperature, softcap)
+    with torch.no_grad():
+        logp_t = _head_logp(ht, wt, bt, temperature, softcap)
+    p_s = logp_s.exp()
+    kl = (p_s * (logp_s - logp_t)).sum(-1)
+    entropy = -(p_s * logp_s).sum(-1)
+    return kl, entropy.detach()
+
+
+def reverse_kl_from_hidden(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    lm_head_weight: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    teacher_lm_head_weight: Tensor | None = None,
+    teacher_lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Full-vocabulary KL(pi_S || sg(pi_T)) at M positions, differentiable in the student.
+
+    The self-distillation (OPSD) loss. Logits exist one chunk at a time: each chunk runs under
+    activation checkpointing, so the backward recomputes its (chunk, V) logits instead of
+    keeping them.
+
+    Args:
+        student_hidden: (M, H), with gradient. teacher_hidden: (M, H_t) (detached here).
+        lm_head_weight: (V, H); lm_head_bias: (V,) or None (gradient flows into both).
+        teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head (V, H_t) / (V,),
+            or None to share the student's (detached for the teacher).
+        temperature, chunk_size, softcap: as in `signals_from_hidden`.
+    Returns:
+        (kl, entropy), each (M,) float32; the entropy is detached.
+    """
+    _validate("full", temperature, chunk_size)
+    _validate_softcap(softcap)
+    if student_hidden.dim() != 2 or teacher_hidden.dim() != 2:
+        raise ValueError(
+            f"student_hidden / teacher_hidden: expected (M, H) and (M, H_t), got "
+            f"{tuple(student_hidden.shape)} and {tuple(teacher_hidden.shape)}"
+        )
+    if teacher_hidden.shape[0] != student_hidden.shape[0]:
+        raise ValueError(
+            f"teacher_hidden: expected {student_hidden.shape[0]} rows (the student's), got "
+            f"{teacher_hidden.shape[0]}"
+        )
+    if teacher_lm_head_weight is None:
+        teacher_lm_head_weight, teacher_lm_head_bias = lm_head_weight, lm_head_bias
+    wt = teacher_lm_head_weight.detach()
+    bt = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
+    ht = teacher_hidden.detach()
+    kls, entropies = [], []
+    for rows in _chunk_rows(student_hidden.shape[0], chunk_size, None):
+        kl, entropy = checkpoint(
+            _kl_chunk,
+            student_hidden[rows],
+            ht[rows],
+            lm_head_weight,
+            lm_head_bias,
+            wt,
+            bt,
+            temperature,
+            softcap,
+            use_reentrant=False,
+        )
+        kls.append(kl)
+        entropies.append(entropy)
+    if not kls:
+        empty = student_hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(kls), torch.cat(entropies)

@@ -17,11 +17,9 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 import trl
 from packaging.version import Version
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -29,7 +27,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx, pad
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_details
 from gear.credit.methods import METHODS
-from gear.credit.signals import signals_from_hidden
+from gear.credit.signals import reverse_kl_from_hidden, signals_from_hidden
 from gear.integrations.trl.config import GEARConfig
 from gear.integrations.trl.states import StudentStates, final_hidden
 from gear.integrations.trl.teacher_model import (
@@ -145,10 +143,10 @@ class GEARTrainer(GRPOTrainer):
                 "GEARTrainer supports text-only models (the teacher pass has no image inputs)"
             )
         text_config = self.model.config.get_text_config()
-        if getattr(text_config, "final_logit_softcapping", None):
+        if logit_softcap(text_config) is not None and logit_scale(text_config) != 1.0:
             raise NotImplementedError(
-                "GEARTrainer: models with final_logit_softcapping are not supported yet "
-                "(gear.credit.signals_from_hidden has no softcap)"
+                "GEARTrainer: a model with both final_logit_softcapping and a logit scale is not "
+                "supported (the order of the two is model-specific)"
             )
         if args.loss_mode == "self_distill" and self.is_deepspeed_enabled:
             raise NotImplementedError(
@@ -503,6 +501,7 @@ class GEARTrainer(GRPOTrainer):
             topk=self.args.kl_topk,
             chunk_size=self.args.signal_chunk_size,
             mask=mask,
+            softcap=self._logit_softcap,
         )
         with self._heads() as (ws, bs, wt, bt):
             hs, ht = student_hidden.to(ws.dtype), teacher_hidden.to(wt.dtype)
@@ -550,15 +549,16 @@ class GEARTrainer(GRPOTrainer):
         )
         valid = mask.bool()
         with self._heads() as (ws, bs, wt, bt):
-            kl_valid, entropy_valid = _reverse_kl(
+            kl_valid, entropy_valid = reverse_kl_from_hidden(
                 student_hidden[valid].to(ws.dtype),
                 teacher_hidden[valid].to(wt.dtype),
                 ws,
-                bs,
-                wt.detach(),
-                None if bt is None else bt.detach(),
-                1.0 / self._signal_temperature,
-                self.args.signal_chunk_size,
+                lm_head_bias=bs,
+                teacher_lm_head_weight=wt,
+                teacher_lm_head_bias=bt,
+                temperature=self._signal_temperature,
+                chunk_size=self.args.signal_chunk_size,
+                softcap=self._logit_softcap,
             )
         mode = "train" if self.model.training else "eval"
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -690,50 +690,6 @@ def _full(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
         weight = weight.full_tensor()
         bias = bias.full_tensor() if bias is not None else None
     return weight, bias
-
-
-def _kl_chunk(
-    hs: Tensor,
-    ht: Tensor,
-    ws: Tensor,
-    bs: Tensor | None,
-    wt: Tensor,
-    bt: Tensor | None,
-    inv_t: float,
-) -> tuple[Tensor, Tensor]:
-    """KL(pi_S || pi_T) with gradient through the student, and the student entropy (detached)."""
-    logp_s = (F.linear(hs, ws, bs).float() * inv_t).log_softmax(-1)
-    with torch.no_grad():
-        logp_t = (F.linear(ht, wt, bt).float() * inv_t).log_softmax(-1)
-    p_s = logp_s.exp()
-    kl = (p_s * (logp_s - logp_t)).sum(-1)
-    entropy = -(p_s * logp_s).sum(-1)
-    return kl, entropy.detach()
-
-
-def _reverse_kl(
-    hs: Tensor,
-    ht: Tensor,
-    ws: Tensor,
-    bs: Tensor | None,
-    wt: Tensor,
-    bt: Tensor | None,
-    inv_t: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    """(M,) reverse KL and entropy of M positions, one checkpointed chunk of logits at a time."""
-    kls, entropies = [], []
-    for start in range(0, hs.size(0), chunk_size):
-        stop = start + chunk_size
-        kl, ent = checkpoint(
-            _kl_chunk, hs[start:stop], ht[start:stop], ws, bs, wt, bt, inv_t, use_reentrant=False
-        )
-        kls.append(kl)
-        entropies.append(ent)
-    if not kls:
-        empty = hs.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(kls), torch.cat(entropies)
 
 
 __all__ = ["TESTED_TRL", "GEARTrainer", "no_reward"]
