@@ -1,0 +1,332 @@
+"""Forwards that compute each shared prompt once (the teacher pass, and the student forward where
+one still runs).
+
+In GRPO the G completions of a prompt share it, and so share the teacher prompt (prompt + hint).
+A plain forward over `[prompt | completion]` rows recomputes that prefix G times. Here the rows
+are grouped by identical prefix ids; each unique prefix runs once with a KV cache, and only the
+completion tokens run after it, reading their prefix's keys and values. The result is the final
+hidden states that predict each completion token: at column 0 the prefix's last state, at column
+t > 0 the state of completion token t - 1, exactly as the plain forward gives them (up to float
+rounding) and ready for `gear.credit.signals_from_hidden` (no logits are kept).
+
+Position ids keep every distance between two tokens of a row what it is in the plain padded
+forward, so rotary models agree with it; the prefix's keys are gathered per layer, one layer at a
+time, and nothing is stored in the cache during the completion pass, so memory stays that of the
+plain forward's activations. Models whose cache is not a plain key/value cache (linear attention,
+recurrent state, quantised or offloaded caches) or that return none fall back to the plain
+forward, with one warning per reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"shared-prefix forward: {reason}; using the plain forward (each row's prompt "
+            "is recomputed)",
+            stacklevel=3,
+        )
+
+
+def find_backbone(model: nn.Module) -> nn.Module:
+    """The module whose output's `last_hidden_state` is the final hidden states: the base model
+    of a `*ForCausalLM` (DDP / DeepSpeed wrappers and PEFT models are unwrapped)."""
+    while hasattr(model, "module"):  # DDP / DeepSpeed engine
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    prefix = getattr(model, "base_model_prefix", "")
+    return getattr(model, prefix, model) if prefix else model
+
+
+@contextmanager
+def _capture(backbone: nn.Module, columns: slice, sink: list[Tensor]) -> Any:
+    """Append `last_hidden_state[:, columns]` of every backbone forward to `sink` (a copy, so
+    the whole (B, L, H) output is freed)."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        sink.append(hidden[:, columns].clone())
+
+    handle = backbone.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def plain_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    n_keep: int,
+    *,
+    backbone: nn.Module | None = None,
+    batch_size: int | None = None,
+) -> Tensor:
+    """(B, n_keep, H) final hidden states predicting the last `n_keep` tokens of each row, from
+    one forward over whole rows (the reference the shared-prefix pass must equal).
+
+    Args:
+        model: a causal LM (or its DDP / DeepSpeed / PEFT wrapper) taking `logits_to_keep`.
+        input_ids, attention_mask: (B, L), L > n_keep.
+        backbone: module read for the hidden states (default `find_backbone(model)`).
+        batch_size: rows per forward (default all).
+    """
+    backbone = backbone if backbone is not None else find_backbone(model)
+    batch_size = batch_size or input_ids.size(0)
+    out: list[Tensor] = []
+    for start in range(0, input_ids.size(0), batch_size):
+        rows = slice(start, start + batch_size)
+        with _capture(backbone, slice(-n_keep - 1, -1), out):
+            model(
+                input_ids=input_ids[rows],
+                attention_mask=attention_mask[rows],
+                logits_to_keep=1,
+                use_cache=False,
+            )
+    return torch.cat(out)
+
+
+def group_prefixes(
+    input_ids: Tensor, attention_mask: Tensor, n_keep: int
+) -> tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], Tensor]:
+    """Unique prefixes of `[prefix | completion]` rows and each row's prefix index.
+
+    The prefix of a row is its first L - n_keep columns without the leading padding (mask 0):
+    left- and right-padded prompts both work, and a row's inner padding (mask 0 after its first
+    token) stays, so that positions match the plain forward. Rows equal when ids and mask are.
+
+    Args:
+        input_ids, attention_mask: (B, L); n_keep: the completion width T (1 <= T < L).
+    Returns:
+        (unique prefixes as (ids, mask) tuples, (B,) long index of each row's prefix).
+    """
+    B, L = input_ids.shape
+    if tuple(attention_mask.shape) != (B, L):
+        raise ValueError(
+            f"attention_mask: expected shape {(B, L)} like input_ids, got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    if not 1 <= n_keep < L:
+        raise ValueError(f"n_keep: expected 1 <= n_keep < {L} (the row length), got {n_keep}")
+    ids = input_ids[:, : L - n_keep].tolist()
+    mask = (attention_mask[:, : L - n_keep] != 0).long().tolist()
+    index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    rows = []
+    for r_ids, r_mask in zip(ids, mask, strict=True):
+        start = r_mask.index(1) if 1 in r_mask else len(r_mask)
+        if start == len(r_mask):
+            raise ValueError(
+                "attention_mask: every row needs at least one prefix token (mask 1) in its "
+                f"first {L - n_keep} columns; a row has none"
+            )
+        key = (tuple(r_ids[start:]), tuple(r_mask[start:]))
+        rows.append(index.setdefault(key, len(index)))
+    return list(index), torch.tensor(rows, dtype=torch.long)
+
+
+def prefix_shared_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    n_keep: int,
+    *,
+    backbone: nn.Module | None = None,
+    batch_size: int | None = None,
+) -> Tensor:
+    """`plain_hidden` with each unique prefix computed once (see the module docstring).
+
+    Args:
+        model: a causal LM (or its DDP / DeepSpeed / PEFT wrapper) taking `past_key_values`,
+            `position_ids` and `logits_to_keep`. Run under `torch.no_grad()`.
+        input_ids, attention_mask: (B, L) rows `[prefix | completion]`: the prefix (teacher or
+            student prompt) in the first L - n_keep columns, padded on either side; the
+            completion (tool turns included) in the last n_keep columns, with its mask.
+        n_keep: T, the completion width.
+        backbone: module read for the hidden states (default `find_backbone(model)`).
+        batch_size: rows per completion pass (default all); each chunk's prefixes run once.
+            Every chunk runs exactly two forwards whatever the data (a prefix pass and a
+            completion pass), so sharded ranks (ZeRO-3, FSDP) stay in step.
+    Returns:
+        (B, T, H) final hidden states; [:, t] predicts input_ids[:, L - T + t].
+    """
+    prefixes, group = group_prefixes(input_ids, attention_mask, n_keep)
+    B = input_ids.size(0)
+    reason = _unsupported(model)
+    if reason is not None:
+        _warn_once(reason)
+        return plain_hidden(
+            model, input_ids, attention_mask, n_keep, backbone=backbone, batch_size=batch_size
+        )
+    backbone = backbone if backbone is not None else find_backbone(model)
+    batch_size = batch_size or B
+    order = torch.sort(
+        group, stable=True
+    ).indices  # each group's rows together, few prefixes a chunk
+    completion_ids = input_ids[:, -n_keep:]
+    completion_mask = attention_mask[:, -n_keep:]
+    out: Tensor | None = None
+    for start in range(0, B, batch_size):
+        rows = order[start : start + batch_size]
+        hidden = _chunk_hidden(
+            model,
+            backbone,
+            prefixes,
+            group[rows],
+            completion_ids[rows.to(input_ids.device)],
+            completion_mask[rows.to(input_ids.device)],
+        )
+        if hidden is None:  # no reusable cache: this model takes the plain path
+            return plain_hidden(
+                model, input_ids, attention_mask, n_keep, backbone=backbone, batch_size=batch_size
+            )
+        if out is None:
+            out = hidden.new_empty((B, *hidden.shape[1:]))
+        out[rows.to(out.device)] = hidden
+    assert out is not None
+    return out
+
+
+def _chunk_hidden(
+    model: nn.Module,
+    backbone: nn.Module,
+    prefixes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    group: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+) -> Tensor | None:
+    """(b, T, H) for one chunk of b rows: its unique prefixes in one left-padded pass with a
+    cache, then the completion tokens 0..T-2 over the gathered cache. None if the model's
+    cache cannot be shared."""
+    device = completion_ids.device
+    used, local = torch.unique(group, return_inverse=True)  # the chunk's prefixes, row -> local
+    chunk = [prefixes[i] for i in used.tolist()]
+    P = max(len(ids) for ids, _ in chunk)
+    ids = torch.zeros(len(chunk), P, dtype=torch.long)
+    mask = torch.zeros(len(chunk), P, dtype=torch.long)
+    for i, (p_ids, p_mask) in enumerate(chunk):
+        ids[i, P - len(p_ids) :] = torch.tensor(p_ids)
+        mask[i, P - len(p_mask) :] = torch.tensor(p_mask)
+    lengths = torch.tensor([len(p) for p, _ in chunk])
+    # column j of a prefix left-padded by P - n sits at position j - (P - n): the same distances
+    # as in the plain forward, where the row is one contiguous stretch of columns
+    positions = (torch.arange(P) - (P - lengths)[:, None]).clamp(min=0)
+    ids, mask, positions, local = (t.to(device) for t in (ids, mask, positions, local))
+
+    last: list[Tensor] = []
+    with _capture(backbone, slice(-1, None), last):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            logits_to_keep=1,
+            use_cache=True,
+        )
+    cache = getattr(out, "past_key_values", None)
+    reason = _unshareable(cache)
+    if reason is not None:
+        _warn_once(reason)
+        return None
+    first = last[-1][local]  # (b, 1, H): the prefix's last state predicts completion token 0
+    # The last completion token predicts nothing, so tokens 0..T-2 run (token 0 alone when
+    # T = 1, its state unused: every rank runs the same number of forwards).
+    T = completion_ids.size(1)
+    n = max(T - 1, 1)
+    steps: list[Tensor] = []
+    with _capture(backbone, slice(None), steps):
+        model(
+            input_ids=completion_ids[:, :n],
+            attention_mask=torch.cat([mask[local], completion_mask[:, :n]], dim=1),
+            position_ids=lengths.to(device)[local][:, None] + torch.arange(n, device=device),
+            past_key_values=_gathered(cache, local),
+            logits_to_keep=1,
+            use_cache=True,
+        )
+    return torch.cat([first, steps[-1][:, : T - 1]], dim=1)
+
+
+def _unsupported(model: nn.Module) -> str | None:
+    """Why `model` cannot run a cached completion pass, or None if it can."""
+    inner = model
+    while hasattr(inner, "module"):  # DDP / DeepSpeed engine
+        inner = inner.module
+    config = getattr(inner, "config", None)
+    if config is not None and getattr(config, "vision_config", None) is not None:
+        return "multimodal models are not supported"
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [k for k in ("past_key_values", "position_ids") if k not in params]
+    return f"its forward takes no {' / '.join(missing)}" if missing else None
+
+
+def _unshareable(cache: Any) -> str | None:
+    """Why `cache` cannot be gathered by rows, or None if it can."""
+    if cache is None:
+        return (
+            "the model returned no KV cache (use_cache unsupported, or gradient checkpointing on)"
+        )
+    if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
+        return f"its cache is a {type(cache).__name__}, not a plain DynamicCache"
+    for layer in cache.layers:
+        if type(layer) not in _ONE_PASS or getattr(layer, "record_past", False):
+            return f"its cache has {type(layer).__name__} layers (only full / sliding-window KV)"
+    return None
+
+
+class _OnePass:
+    """A cache layer holding the unique prefixes' keys/values (u, heads, P, d) and each row's
+    prefix index; `update` returns the rows' prefix states followed by the new ones and stores
+    nothing (one completion pass), so only one layer's gathered states exist at a time."""
+
+    rows: Tensor
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (
+            torch.cat([self.keys.index_select(0, self.rows), key_states], dim=-2),
+            torch.cat([self.values.index_select(0, self.rows), value_states], dim=-2),
+        )
+
+
+class _OnePassLayer(_OnePass, DynamicLayer):
+    pass
+
+
+class _OnePassSlidingLayer(_OnePass, DynamicSlidingWindowLayer):
+    pass  # keys hold the last window - 1 prefix columns; mask sizes come from the prefix pass
+
+
+_ONE_PASS = {DynamicLayer: _OnePassLayer, DynamicSlidingWindowLayer: _OnePassSlidingLayer}
+
+
+def _gathered(cache: DynamicCache, rows: Tensor) -> DynamicCache:
+    """A copy of `cache` whose layers serve rows `rows` (b,) of it for one forward."""
+    layers = []
+    for layer in cache.layers:
+        one = _ONE_PASS[type(layer)].__new__(_ONE_PASS[type(layer)])
+        one.__dict__.update(layer.__dict__)
+        one.rows = rows
+        layers.append(one)
+    gathered = copy.copy(cache)
+    gathered.layers = layers
+    gathered.layer_class_to_replicate = None  # every layer exists already
+    return gathered
