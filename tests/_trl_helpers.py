@@ -35,12 +35,20 @@ def load_tokenizer() -> Any:
     return tok
 
 
-def tiny_model(tok: Any, seed: int = 0, hidden: int = 16, layers: int = 1) -> LlamaForCausalLM:
+def tiny_model(
+    tok: Any, seed: int = 0, hidden: int = 16, layers: int = 1, **config: Any
+) -> LlamaForCausalLM:
     """A random 1-layer Llama with the tokenizer's vocabulary; init std 0.2 so that
-    distributions are far from uniform and KL between two prompts is not ~0."""
+    distributions are far from uniform and KL between two prompts is not ~0. `config`: more
+    LlamaConfig fields (e.g. attention_dropout)."""
     torch.manual_seed(seed)
     return tiny_llama(
-        tok, hidden_size=hidden, num_layers=layers, num_attention_heads=2, num_key_value_heads=1
+        tok,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **config,
     )
 
 

@@ -57,8 +57,10 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     for key in expected:
         assert key in logs and math.isfinite(logs[key]), key
     if mode not in ("grpo", "self_distill"):  # these skip the signal passes
-        assert logs["gear/kl_mean"] > 0 and logs["gear/entropy_mean"] > 0
+        assert logs["gear/entropy_mean"] > 0
         assert set(logs) >= TIMINGS
+    if mode not in ("grpo", "self_distill", "entropy_top"):  # entropy_top: no teacher, no KL
+        assert logs["gear/kl_mean"] > 0
     if mode == "self_distill":
         assert logs["gear/kl_mean"] > 0 and logs["rewards/no_reward/mean"] == 0.0
 
@@ -173,6 +175,8 @@ SOURCES = {  # where the student's hidden states come from -> trainer overrides
     "own_forward": {"student_hidden_from_generation": False},
     # beams: generation's states are not one row per completion, so GEAR runs the forward
     "beam_search": {"generation_kwargs": {"num_beams": 2}},
+    # a chunked prefill makes several calls before the first token: only the last one predicts
+    "prefill_chunks": {"generation_kwargs": {"prefill_chunk_size": 3}},
 }
 
 
@@ -279,7 +283,7 @@ def test_teacher_prompts_over_budget_are_truncated_in_the_hint_and_counted(
     monkeypatch.setattr(trainer, "_teacher_prompts", lambda *a: seen.append(real(*a)) or seen[-1])
     trainer.model.train()
     inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
-    rows, truncated, _ = seen[0]
+    rows, truncated = seen[0].ids, seen[0].truncated
     assert truncated == 4 and max(len(r) for r in rows) <= budget
     text = tok.decode(rows[0])
     assert (
@@ -339,3 +343,219 @@ def test_evaluation_runs_gear_and_reports_its_metrics(tmp_path, tok):
     assert math.isfinite(metrics["eval_loss"])
     assert metrics["eval_gear/kl_mean"] > 0 and "eval_gear/onsets_per_row" in metrics
     assert not (tmp_path / "credit").exists()  # credit records are for training steps
+
+
+def _student_forward(trainer, inputs):
+    """(B, T, H) eval-mode student states of the batch by a plain forward (the oracle)."""
+    model = trainer.model
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return trainer._final_hidden(
+                model,
+                torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                inputs["completion_ids"].size(1),
+            )
+    finally:
+        model.train(was)
+
+
+def test_assisted_generation_falls_back_to_a_student_forward(tmp_path, tok):
+    """Assisted generation (here early exit; likewise use_mtp, an assistant model) verifies
+    several candidate tokens per call and calls the model for the draft too: its per-call
+    states are not one per completion token, so the student states come from a forward."""
+    trainer = make_trainer(
+        tmp_path, tok, model=tiny_model(tok, layers=2),
+        generation_kwargs={"assistant_early_exit": 1},
+    )  # fmt: skip
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+        tokenize=True, return_dict=True,
+    )["input_ids"]  # fmt: skip
+    trainer.model.train()
+    with trainer._student.capturing(True):  # transformers assists batches of one row only
+        completions, _ = trainer._generate_single_turn([prompt], None, {}, 1)
+    inputs = {
+        "prompt_ids": torch.tensor([prompt]),
+        "prompt_mask": torch.ones(1, len(prompt), dtype=torch.long),
+        "completion_ids": torch.tensor(completions),
+        "completion_mask": torch.ones(1, len(completions[0]), dtype=torch.long),
+    }
+    got, forward = trainer._student.take(inputs, 1)
+    torch.testing.assert_close(got, _student_forward(trainer, inputs), atol=1e-5, rtol=1e-4)
+    assert forward
+
+
+@pytest.mark.parametrize(
+    ("generation_kwargs", "expected"),
+    [({"temperature": 0.5}, 0.5), ({"do_sample": False}, 1.0), ({}, 0.7)],
+    ids=["temperature", "greedy", "config"],
+)
+def test_signals_use_the_temperature_generation_sampled_with(
+    tmp_path, tok, monkeypatch, generation_kwargs, expected
+):
+    """A temperature (or greedy decoding) in generation_kwargs overrides the sampler's: pi_S
+    is the distribution the tokens were drawn from (greedy: the model's own, T = 1)."""
+    trainer = make_trainer(tmp_path, tok, temperature=0.7, generation_kwargs=generation_kwargs)
+    assert trainer.generation_config.temperature == generation_kwargs.get("temperature", 0.7)
+    seen = []
+    real = gear_trl.signals_from_hidden
+    monkeypatch.setattr(
+        gear_trl, "signals_from_hidden", lambda *a, **k: seen.append(k) or real(*a, **k)
+    )
+    trainer.model.train()
+    trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    assert seen and seen[0]["temperature"] == pytest.approx(expected)
+
+
+def test_signals_have_eval_mode_semantics_with_dropout(tmp_path, tok, monkeypatch):
+    """With dropout > 0 generation runs in train mode, so its states are not the student's:
+    the student and the (current) teacher states that reach the signals are both the
+    eval-mode forwards of their inputs."""
+    trainer = make_trainer(tmp_path, tok, model=tiny_model(tok, attention_dropout=0.5))
+    seen, teacher_inputs = [], []
+    real_signals, real_inputs = trainer._signals, trainer._teacher_inputs
+    monkeypatch.setattr(
+        trainer,
+        "_signals",
+        lambda s, t, ids, **k: seen.append((s, t)) or real_signals(s, t, ids, **k),
+    )
+    monkeypatch.setattr(
+        trainer,
+        "_teacher_inputs",
+        lambda *a: teacher_inputs.append(real_inputs(*a)) or teacher_inputs[-1],
+    )
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    assert trainer.model.training  # the signal passes restored the mode
+    student, teacher = seen[0]
+    valid = inputs["completion_mask"].bool()
+    torch.testing.assert_close(
+        student[valid], _student_forward(trainer, inputs)[valid], atol=1e-5, rtol=1e-4
+    )
+    ids, mask = teacher_inputs[0][:2]
+    trainer.model.eval()
+    with torch.no_grad():
+        own_teacher = trainer._final_hidden(trainer.model, ids, mask, valid.size(1))
+    torch.testing.assert_close(teacher[valid], own_teacher[valid], atol=1e-5, rtol=1e-4)
+
+
+def test_captured_states_keep_only_their_slice_not_the_whole_output(tmp_path, tok):
+    """The hook copies the (B, n, H) slice it needs: a view would keep each forward's whole
+    (B, P + C, H) output alive until the batch's signals are computed."""
+    from gear.integrations.trl.states import capture_hidden
+
+    trainer = make_trainer(tmp_path, tok)
+    ids = torch.randint(3, 200, (2, 12))
+    for next_token in (False, True):
+        with (
+            torch.no_grad(),
+            capture_hidden(
+                trainer.accelerator, trainer.model, 4, detach=True, next_token=next_token
+            ) as captured,
+        ):
+            trainer.model(input_ids=ids, use_cache=False)
+        (h,) = captured
+        assert h.shape[1] == (1 if next_token else 4)
+        assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+
+
+def test_trls_own_argument_errors_come_before_gears(tmp_path, tok):
+    """GEARTrainer lets GRPOTrainer validate its arguments first (here reward_weights), so a
+    GRPO user sees TRL's message, not a GEAR one about the dataset."""
+    data = dataset().remove_columns("ground_truth")
+    with pytest.raises(ValueError, match="Number of reward weights"):
+        make_trainer(tmp_path, tok, data=data, reward_weights=[1.0, 2.0])
+
+
+def test_rows_without_ground_truth_keep_grpo_weights_and_are_counted(tmp_path, tok, monkeypatch):
+    """A row whose ground truth is None has no teacher (the teacher prompt is the student's):
+    its KL is numerical noise, which per-row normalisation would stretch to [0, 1]. It keeps
+    weight 1 (plain GRPO) and is counted."""
+    data = dataset().map(
+        lambda row, i: {"ground_truth": None if i == 0 else row["ground_truth"]}, with_indices=True
+    )
+    details = []
+    real = gear_trl.credit_details
+    monkeypatch.setattr(
+        gear_trl, "credit_details", lambda *a, **k: details.append(real(*a, **k)) or details[-1]
+    )
+    trainer = make_trainer(tmp_path, tok, data=data)
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    no_truth = torch.tensor([row["ground_truth"] is None for row in batch])
+    assert no_truth.sum() == 2  # one prompt, num_generations=2
+    d = details[0]
+    valid = inputs["completion_mask"].bool()
+    assert d.fallback_rows.tolist() == no_truth.tolist()
+    assert (d.weights[no_truth][valid[no_truth]] == 1).all()
+    metrics = trainer._metrics["train"]
+    assert metrics["gear/rows_without_ground_truth"] == [2.0]
+    assert metrics["gear/fallback_rows"] == [2.0]
+
+
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_plain_text_prompts_get_the_hint_where_the_prompt_still_ends_as_before(
+    tmp_path, tok, monkeypatch, position
+):
+    """A plain-text prompt ending in a cue ("Answer:") must still end with it in the teacher
+    prompt, so the completion continues the same text: the hint goes before it by default."""
+    data = Dataset.from_dict(
+        {
+            "prompt": [f"Question: what is {i} + 3?\nAnswer:" for i in range(4)],
+            "ground_truth": [f"{i} + 3 = {i + 3}" for i in range(4)],
+        }
+    )
+    trainer = make_trainer(tmp_path, tok, data=data, text_hint_position=position)
+    built = []
+    real = trainer._teacher_prompts
+    monkeypatch.setattr(trainer, "_teacher_prompts", lambda *a: built.append(real(*a)) or built[-1])
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer._generate_and_score_completions(batch)
+    for row, ids in zip(batch, built[0].ids, strict=True):
+        text = tok.decode(ids)
+        hint = HINT_TEMPLATES["math"].replace("{ground_truth}", row["ground_truth"])
+        if position == "before":
+            assert text == f"{hint}\n\n{row['prompt']}"
+        else:
+            assert text == f"{row['prompt']}\n\n{hint}"
+
+
+@pytest.mark.parametrize("method", ["grpo", "entropy_top"])
+def test_methods_without_a_teacher_need_no_ground_truth_and_run_no_teacher(
+    tmp_path, tok, monkeypatch, method
+):
+    """`grpo` needs no signal and `entropy_top` only the student's entropy: neither needs a
+    ground-truth column, builds teacher prompts, or runs a teacher forward."""
+    data = dataset().remove_columns("ground_truth")
+    trainer = make_trainer(tmp_path, tok, data=data, credit_method=method)
+    forwards = []
+    real = trainer._final_hidden
+    monkeypatch.setattr(
+        trainer,
+        "_final_hidden",
+        lambda m, ids, *a, **k: forwards.append(ids) or real(m, ids, *a, **k),
+    )
+    monkeypatch.setattr(
+        trainer, "_teacher_prompts", lambda *a: pytest.fail("teacher prompts built")
+    )
+    before = parameters(trainer.model)
+    trainer.train()
+    assert _changed(before, trainer.model)
+    assert forwards == []  # entropy_top: the student states come from generation
+    logs = trainer.state.log_history[0]
+    assert "gear/time_teacher_prompts" not in logs
+    if method == "entropy_top":
+        assert logs["gear/entropy_mean"] > 0
+
+
+def test_a_method_that_needs_the_teacher_still_names_the_missing_column(tmp_path, tok):
+    data = dataset().remove_columns("ground_truth")
+    with pytest.raises(ValueError, match=r"ground_truth_column.*'ground_truth'"):
+        make_trainer(tmp_path, tok, data=data, credit_method="gear_kl_only")
+    with pytest.raises(ValueError, match=r"ground_truth_column.*'ground_truth'"):
+        make_trainer(tmp_path, tok, data=data, loss_mode="self_distill", reward_funcs=None)

@@ -10,11 +10,9 @@ from trl import GRPOConfig
 
 from gear.credit import CreditParams
 from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
-from gear.teacher import HINT_TEMPLATES
+from gear.teacher import HINT_KINDS, HINT_TEMPLATES, TEACHERS, TEXT_HINT_POSITIONS
 
-TEACHERS = ("current", "frozen", "ema")
 LOSS_MODES = ("rl", "self_distill")
-HINT_KINDS = ("auto", "math", "tool")
 
 _CREDIT_FIELDS = {f.name: f for f in dataclasses.fields(CreditParams)}
 
@@ -73,7 +71,11 @@ class GEARConfig(GRPOConfig):
     )
     ground_truth_column: str = field(
         default="ground_truth",
-        metadata={"help": "Dataset column whose value fills the teacher hint's {ground_truth}."},
+        metadata={
+            "help": "Dataset column whose value fills the teacher hint's {ground_truth}; needed "
+            "only by methods that use the teacher (not 'grpo' or 'entropy_top'). A row whose "
+            "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
+        },
     )
     hint_kind: str = field(
         default="auto",
@@ -89,6 +91,14 @@ class GEARConfig(GRPOConfig):
     tool_hint_template: str = field(
         default=HINT_TEMPLATES["tool"],
         metadata={"help": "Teacher hint for tool use; holds {ground_truth}."},
+    )
+    text_hint_position: str = field(
+        default="before",
+        metadata={
+            "help": "Where a plain-text (non-chat) prompt gets the hint: 'before' the prompt, so "
+            "the prompt still ends as the student's did and the completion continues it, or "
+            "'after' it. Chat prompts get it at the end of the last user message."
+        },
     )
     teacher_max_prompt_length: int | None = field(
         default=None,
@@ -111,6 +121,15 @@ class GEARConfig(GRPOConfig):
             "Used on the single-turn transformers path only; vLLM, continuous batching, tools, "
             "environments, rollout_func, VLMs, beam search and prompt-lookup decoding run the "
             "forward."
+        },
+    )
+    prefix_sharing: bool = field(
+        default=True,
+        metadata={
+            "help": "In the no-grad forwards (the teacher pass; the student forward where one "
+            "runs), compute a prompt shared by several rows (a GRPO group) once, with a KV cache, "
+            "then only the completions (`gear.prefix`): the plain forward's states at a fraction "
+            "of the cost. Models whose cache cannot be shared run the plain forward (one warning)."
         },
     )
     signal_chunk_size: int = field(
@@ -156,6 +175,8 @@ class GEARConfig(GRPOConfig):
             raise bad("loss_mode", f"one of {list(LOSS_MODES)}")
         if self.hint_kind not in HINT_KINDS:
             raise bad("hint_kind", f"one of {list(HINT_KINDS)}")
+        if self.text_hint_position not in TEXT_HINT_POSITIONS:
+            raise bad("text_hint_position", f"one of {list(TEXT_HINT_POSITIONS)}")
         for name in ("math_hint_template", "tool_hint_template"):
             if "{ground_truth}" not in getattr(self, name):
                 raise bad(name, "a template with a '{ground_truth}' placeholder")

@@ -10,8 +10,12 @@ which of three sources gives them, and holds what it captured until the trainer 
   one anyway.
 - "forward": one no-grad student forward on prompt + completion (`final_hidden`).
 
-A capture that turns out unusable (the decoding loop did not make one call per token) falls
-back to the forward; every process takes the same decision, so sharded forwards pair up.
+The signals have eval-mode semantics: with active dropout the states of generation and of
+TRL's pass (train mode) are not the student's, so the forward runs instead, in eval mode, as
+the teacher's does. A capture that turns out unusable (the decoding loop did not make exactly
+one call per completion token after the prompt, as with assisted generation) falls back to the
+forward; every process takes the same decision, so sharded forwards pair up. A chunked prefill
+(`prefill_chunk_size`) is fine: only the call that ends at the prompt's last token predicts.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ import torch
 from torch import Tensor, nn
 from trl.models.utils import disable_gradient_checkpointing
 
+from gear.prefix import prefix_shared_hidden
+
 if TYPE_CHECKING:
     from gear.integrations.trl.trainer import GEARTrainer
 
 GENERATION, TRL_PASS, FORWARD = "generation", "trl_pass", "forward"
+# generation settings under which `generate` does not make one call per sampled token
+ASSISTED = ("assistant_model", "assistant_early_exit", "use_mtp", "prompt_lookup_num_tokens")
 
 
 class StudentStates:
@@ -52,6 +60,8 @@ class StudentStates:
         t = self._trainer
         if not need:
             return None
+        if dropout_active(t.accelerator.unwrap_model(t.model)):
+            return FORWARD  # generation and TRL's pass ran in train mode
         generate_every = t.args.steps_per_generation * t.num_iterations
         trl_runs_student = t.args.gradient_accumulation_steps % generate_every != 0 or (
             t.use_vllm and t.vllm_importance_sampling_correction
@@ -75,7 +85,8 @@ class StudentStates:
             and t.environment_factories is None
             and not t._is_vlm
             and (getattr(t.generation_config, "num_beams", None) or 1) == 1
-            and getattr(t.generation_config, "prompt_lookup_num_tokens", None) is None
+            and not any(getattr(t.generation_config, k, None) for k in ASSISTED)
+            and not any((t.args.generation_kwargs or {}).get(k) for k in ASSISTED)
         )
 
     @contextmanager
@@ -90,22 +101,37 @@ class StudentStates:
 
     # ----------------------------------------------------------------------------- capture
 
-    def generate(self, run: Callable[[], Any]) -> Any:
-        """Run TRL's single-turn generation (`run()`), keeping its per-step states when armed."""
+    def generate(self, args_prompts: list, run: Callable[[], Any]) -> Any:
+        """Run TRL's single-turn generation (`run()`) of the prompt ids `args_prompts`, keeping
+        its per-step states when armed."""
         t = self._trainer
         if self.source != GENERATION or self._captured is not None:
             return run()
         with capture_hidden(t.accelerator, t.model, 1, detach=True, next_token=True) as steps:
             out = run()
-        # One (B, 1, H) per decoding step, position t predicting completion token t. With
-        # synced_gpus (ZeRO-3 / FSDP) a finished rank keeps stepping until all are done: its own
-        # steps come first. All ranks take the same path, or sharded forwards would not pair up.
+        # One (B, 1, H) per model call: its last position predicts the next token. The prefill
+        # (one call, or one per `prefill_chunk_size` chunk) ends at the padded prompt width P;
+        # then one call per token. With synced_gpus (ZeRO-3 / FSDP) a finished rank keeps
+        # stepping until all are done: its own steps come first. All ranks take the same path,
+        # or sharded forwards would not pair up.
         completion_ids = out[0]
         longest = max((len(c) for c in completion_ids), default=0)
-        usable = 0 < longest <= len(steps) and steps[0].shape[0] == len(completion_ids)
+        first = _first_decoding_call(steps.lengths, self._prompt_width(args_prompts))
+        usable = (
+            first is not None
+            and 0 < longest <= len(steps) - first
+            and all(n == 1 for n in steps.lengths[first + 1 : first + longest])
+            and steps[0].shape[0] == len(completion_ids)
+        )
         if self._on_every_process(usable):
-            self._captured = torch.cat(steps[:longest], dim=1)
+            self._captured = torch.cat(steps[first : first + longest], dim=1)
         return out
+
+    def _prompt_width(self, prompt_ids: list) -> int:
+        """The width TRL left-pads a generation batch's prompts to (`pad_to_multiple_of`)."""
+        width = max((len(p) for p in prompt_ids), default=0)
+        multiple = getattr(self._trainer, "pad_to_multiple_of", None)
+        return -(-width // multiple) * multiple if multiple else width
 
     def trl_pass(self, model: nn.Module, logits_to_keep: int, run: Callable[[], Any]) -> Any:
         """Run TRL's per-token log-prob pass (`run()`); the first one on the policy, when armed,
@@ -137,34 +163,44 @@ class StudentStates:
         width = completion_ids.shape[1]
         if captured is not None:
             return torch.nn.functional.pad(captured, (0, 0, 0, width - captured.shape[1])), False
-        hidden = t._final_hidden(
-            t.model,
-            torch.cat([output["prompt_ids"], completion_ids], dim=1),
-            torch.cat([output["prompt_mask"], completion_mask], dim=1),
-            width,
-            batch_size,
-        )
+        with eval_mode(t.accelerator.unwrap_model(t.model)):
+            hidden = t._final_hidden(
+                t.model,
+                torch.cat([output["prompt_ids"], completion_ids], dim=1),
+                torch.cat([output["prompt_mask"], completion_mask], dim=1),
+                width,
+                batch_size,
+            )
         return hidden, True
 
 
 # --------------------------------------------------------------------------------- forwards
 
 
+class Captured(list):
+    """The states captured from each forward (a list of (B, n, H) tensors), and `lengths`:
+    each forward's input length."""
+
+    lengths: list[int]
+
+
 @contextmanager
 def capture_hidden(
     accelerator: Any, model: nn.Module, n_keep: int, detach: bool, next_token: bool = False
-) -> Iterator[list[Tensor]]:
+) -> Iterator[Captured]:
     """Collect, from each forward, the final hidden states that predict its last `n_keep`
     tokens (or, with `next_token`, the one that predicts the token after the input)."""
-    captured: list[Tensor] = []
+    captured = Captured()
+    captured.lengths = []
     positions = slice(-1, None) if next_token else slice(-n_keep - 1, -1)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        captured.lengths.append(hidden.shape[1])
+        # a copy of the slice: a view would keep the whole (B, P + C, H) output alive
         hidden = hidden[:, positions]
-        if next_token:  # a copy: a view would keep the prefill's (B, P, H) states alive
-            hidden = hidden.clone()
-        captured.append(hidden.detach() if detach else hidden)
+        hidden = hidden.detach().clone() if detach else hidden.clone()
+        captured.append(hidden)
 
     handle = backbone(accelerator.unwrap_model(model)).register_forward_hook(hook)
     try:
@@ -182,11 +218,14 @@ def final_hidden(
     batch_size: int | None = None,
     grad: bool = False,
     gradient_checkpointing_kwargs: dict | None = None,
+    share_prefix: bool = False,
 ) -> Tensor:
     """(B, n_keep, H) final hidden states at the positions predicting the last n_keep tokens.
 
     Runs the root module (so DDP / DeepSpeed / PEFT hooks fire) with `logits_to_keep=1`
     and reads the backbone's output; rows go in chunks of `batch_size`, like TRL's passes.
+    With `share_prefix` (no-grad only), rows sharing their first L - n_keep tokens compute
+    them once (`gear.prefix.prefix_shared_hidden`).
     """
     batch_size = batch_size or input_ids.size(0)
     unwrapped = accelerator.unwrap_model(model)
@@ -197,6 +236,16 @@ def final_hidden(
     )
     chunks = []
     with no_checkpointing:
+        if share_prefix and not grad:
+            with torch.no_grad(), accelerator.autocast():
+                return prefix_shared_hidden(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    n_keep,
+                    backbone=backbone(unwrapped),
+                    batch_size=batch_size,
+                )
         for start in range(0, input_ids.size(0), batch_size):
             stop = start + batch_size
             with (
@@ -224,3 +273,54 @@ def checkpointing(model: nn.Module) -> bool:
     """Whether activation (gradient) checkpointing is on, without transformers' rename warning."""
     on = getattr(model, "is_activation_checkpointing", None)
     return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
+def _first_decoding_call(lengths: list[int], prompt_width: int) -> int | None:
+    """Index of the call whose last position predicts the first completion token: the one
+    where the prefill's calls add up to the prompt width; None when no call ends there."""
+    total = 0
+    for i, n in enumerate(lengths):
+        total += n
+        if total == prompt_width:
+            return i
+        if total > prompt_width:
+            return None
+    return None
+
+
+def dropout_active(model: nn.Module) -> bool:
+    """Whether a forward of `model` now would drop anything (train mode and a dropout > 0)."""
+    if not model.training:
+        return False
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0 and module.training:
+            return True
+        for name in ("attention_dropout", "attn_dropout", "dropout_rate"):  # functional dropout
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value > 0 and module.training:
+                return True
+    return False
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run the signal passes in eval mode (no dropout), restoring each module's mode after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def sampling_temperature(trainer: Any) -> float:
+    """The temperature generation sampled with: `generation_kwargs` override the config's
+    `temperature`; greedy decoding (`do_sample=False`, or temperature 0 in vLLM) is scored at
+    temperature 1, the model's own distribution."""
+    overrides = trainer.args.generation_kwargs or {}
+    temperature = overrides.get("temperature", trainer.temperature)
+    greedy = overrides.get("do_sample", True) is False and not trainer.use_vllm
+    if greedy or temperature is None or temperature == 0:
+        return 1.0
+    return float(temperature)

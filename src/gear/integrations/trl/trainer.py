@@ -29,7 +29,12 @@ from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_detail
 from gear.credit.methods import METHODS
 from gear.credit.signals import reverse_kl_from_hidden, signals_from_hidden
 from gear.integrations.trl.config import GEARConfig
-from gear.integrations.trl.states import StudentStates, final_hidden
+from gear.integrations.trl.states import (
+    StudentStates,
+    eval_mode,
+    final_hidden,
+    sampling_temperature,
+)
 from gear.integrations.trl.teacher_model import (
     EMATeacherUpdate,
     build_teacher,
@@ -39,7 +44,7 @@ from gear.integrations.trl.teacher_model import (
     save_teacher,
     update_ema,
 )
-from gear.teacher import fit_teacher_prompt
+from gear.teacher import TeacherPrompts, build_teacher_prompts, hint_template
 from gear.viz.record import credit_record_path, credit_rows, write_credit_record
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
@@ -61,7 +66,8 @@ def no_reward(completions: list, **kwargs: Any) -> list[float]:
 class GEARTrainer(GRPOTrainer):
     """[`GRPOTrainer`] whose sequence advantages are reshaped into GEAR token advantages.
 
-    Same constructor and datasets as `GRPOTrainer`; the dataset needs a ground-truth column
+    Same constructor and datasets as `GRPOTrainer`; a credit method that needs the teacher (all
+    but `grpo` and `entropy_top`) or `loss_mode="self_distill"` needs a ground-truth column
     (`GEARConfig.ground_truth_column`). Two extra keyword arguments select a separate frozen
     teacher (`teacher="frozen"` only): `teacher_model` (model or path) and
     `teacher_processing_class`, whose vocabulary must equal the policy's.
@@ -113,14 +119,6 @@ class GEARTrainer(GRPOTrainer):
                 f"teacher_model / teacher_processing_class: only used with teacher='frozen', "
                 f"got teacher={args.teacher!r}"
             )
-        if rollout_func is None:  # a rollout_func may supply the column as an extra field
-            for ds in (train_dataset, *(_datasets(eval_dataset))):
-                columns = getattr(ds, "column_names", None)
-                if columns is not None:
-                    _require_column(args.ground_truth_column, list(columns))
-            if train_dataset is None and environment_factory is not None:
-                # TRL then trains on a placeholder dataset that has only a "prompt" column
-                _require_column(args.ground_truth_column, ["prompt"])
 
         super().__init__(
             model=model,
@@ -159,7 +157,19 @@ class GEARTrainer(GRPOTrainer):
             )
 
         self.credit_params = args.credit_params
-        self._credit_requires = METHODS[self.credit_params.method].requires
+        requires = METHODS[self.credit_params.method].requires
+        self_distill = args.loss_mode == "self_distill"
+        # what this run computes: student signals (any requirement), a teacher (KL or its log-probs)
+        self._needs_signals = self_distill or bool(requires)
+        self._needs_teacher = self_distill or bool(set(requires) & {"kl", "teacher_logprobs"})
+        if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
+            for ds in (train_dataset, *(_datasets(eval_dataset))):
+                columns = getattr(ds, "column_names", None)
+                if columns is not None:
+                    _require_column(args.ground_truth_column, list(columns))
+            if train_dataset is None and environment_factory is not None:
+                # TRL then trains on a placeholder dataset that has only a "prompt" column
+                _require_column(args.ground_truth_column, ["prompt"])
         self._logit_scale = logit_scale(text_config)
         self._logit_softcap = logit_softcap(text_config)
         self._student = StudentStates(self)
@@ -206,7 +216,8 @@ class GEARTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
         return self._student.generate(
-            lambda: super(GEARTrainer, self)._generate_single_turn(prompt_ids, *args, **kwargs)
+            prompt_ids,
+            lambda: super(GEARTrainer, self)._generate_single_turn(prompt_ids, *args, **kwargs),
         )
 
     def _calculate_rewards(
@@ -236,33 +247,38 @@ class GEARTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         mode = "train" if self.model.training else "eval"
-        if self.rollout_func is None:
+        if self._needs_teacher and self.rollout_func is None:
             _ground_truths(inputs, self.args.ground_truth_column)  # fail before generating
         rl = self.args.loss_mode == "rl"
-        need_signals = rl and bool(self._credit_requires)
-        with self._student.capturing(need_signals):
+        with self._student.capturing(rl and self._needs_signals):
             output = super()._generate_and_score_completions(inputs)
 
         stats: dict[str, float] = {}
-        signals = None
+        signals = credit_signals = None
         valid, turn_starts = _response_mask(output)
-        if need_signals or not rl:
+        teacher = None
+        if self._needs_teacher:
             t0 = time.perf_counter()
             gts = _ground_truths(inputs, self.args.ground_truth_column)
-            teacher_ids, teacher_mask = self._teacher_inputs(self._gear_prompts, gts, output, stats)
+            teacher = self._teacher_inputs(self._gear_prompts, gts, output, stats)
             stats["gear/time_teacher_prompts"] = time.perf_counter() - t0
             if not rl:  # self_distill: the teacher pass runs in the loss, on each micro-batch
-                output["gear_teacher_input_ids"], output["gear_teacher_attention_mask"] = (
-                    teacher_ids,
-                    teacher_mask,
-                )
+                (
+                    output["gear_teacher_input_ids"],
+                    output["gear_teacher_attention_mask"],
+                    output["gear_has_hint"],
+                ) = teacher
                 self._log_stats(mode, stats)
                 return output
-            signals = self._token_signals(output, teacher_ids, teacher_mask, valid, mode, stats)
+        if self._needs_signals:
+            signals = self._token_signals(output, teacher, valid, mode, stats)
+            credit_signals = (
+                signals if teacher is None else _without_unhinted_rows(signals, teacher[2])
+            )
 
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
-        details = self._credit(sequence_advantages, valid, turn_starts, signals)
+        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
         self._log_stats(mode, stats)
@@ -278,14 +294,14 @@ class GEARTrainer(GRPOTrainer):
     def _token_signals(
         self,
         output: dict[str, Any],
-        teacher_ids: Tensor,
-        teacher_mask: Tensor,
+        teacher: tuple[Tensor, Tensor, Tensor] | None,
         valid: Tensor,
         mode: str,
         stats: dict[str, float],
     ) -> TokenSignals:
-        """One student pass (or the states of generation or of TRL's pass, captured) and one
-        teacher pass, then the chunked signals at the (B, T) `valid` policy tokens."""
+        """One student pass (or the states of generation or of TRL's pass, captured) and, given
+        `teacher` = (ids, mask, has_hint), one teacher pass (eval mode, like the student's);
+        then the chunked signals at the (B, T) `valid` policy tokens."""
         completion_ids = output["completion_ids"]
         n_keep = completion_ids.size(1)
         batch_size = (
@@ -296,9 +312,12 @@ class GEARTrainer(GRPOTrainer):
         t0 = time.perf_counter()
         student_hidden, forward = self._student.take(output, batch_size)
         t1 = time.perf_counter()
-        teacher_hidden = self._final_hidden(
-            self._teacher(), teacher_ids, teacher_mask, n_keep, batch_size
-        )
+        teacher_hidden = None
+        if teacher is not None:
+            with eval_mode(self.accelerator.unwrap_model(self._teacher())):
+                teacher_hidden = self._final_hidden(
+                    self._teacher(), teacher[0], teacher[1], n_keep, batch_size
+                )
         t2 = time.perf_counter()
         signals = self._signals(student_hidden, teacher_hidden, completion_ids, mask=valid)
         stats["gear/time_student"] = t1 - t0 if forward else 0.0
@@ -367,10 +386,9 @@ class GEARTrainer(GRPOTrainer):
         )
 
     def _hint_template(self) -> str:
-        kind = self.args.hint_kind
-        if kind == "auto":
-            kind = "tool" if self.tools else "math"
-        return self.args.tool_hint_template if kind == "tool" else self.args.math_hint_template
+        a = self.args
+        uses_tools = bool(self.tools) or self.environment_factories is not None
+        return hint_template(a.hint_kind, uses_tools, a.math_hint_template, a.tool_hint_template)
 
     def _render_prompt(self, prompt: Any, tools: list | None) -> list[int]:
         """Prompt -> ids exactly as TRL renders generation prompts (template, tools, kwargs)."""
@@ -389,58 +407,51 @@ class GEARTrainer(GRPOTrainer):
 
     def _teacher_inputs(
         self, prompts: list, ground_truths: list, output: dict[str, Any], stats: dict[str, float]
-    ) -> tuple[Tensor, Tensor]:
-        """Teacher prompt (left-padded) + the student's completion ids: ids and mask, (B, P_T + T).
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Teacher prompt (left-padded) + the student's completion ids: ids and mask, (B, P_T + T),
+        and (B,) bool, whether the row has a hint (a ground truth).
 
         Counts rows whose hint was truncated and rows without a ground truth into `stats`."""
-        prompt_ids, truncated, no_hint = self._teacher_prompts(prompts, ground_truths)
+        built = self._teacher_prompts(prompts, ground_truths)
         tok = self._tokenizer
         device = output["completion_ids"].device
         ids = pad(
-            [torch.tensor(r, dtype=torch.long) for r in prompt_ids],
+            [torch.tensor(r, dtype=torch.long) for r in built.ids],
             padding_value=tok.pad_token_id,
             padding_side="left",
         ).to(device)
         mask = pad(
-            [torch.ones(len(r), dtype=torch.long) for r in prompt_ids],
+            [torch.ones(len(r), dtype=torch.long) for r in built.ids],
             padding_value=0,
             padding_side="left",
         ).to(device)
-        stats["gear/teacher_prompts_truncated"] = float(truncated)
-        stats["gear/rows_without_ground_truth"] = float(no_hint)
+        stats["gear/teacher_prompts_truncated"] = float(built.truncated)
+        stats["gear/rows_without_ground_truth"] = float(built.without_ground_truth)
         return (
             torch.cat([ids, output["completion_ids"]], dim=1),
             torch.cat([mask, output["completion_mask"]], dim=1),
+            torch.tensor(built.has_hint, dtype=torch.bool, device=device),
         )
 
-    def _teacher_prompts(
-        self, prompts: list, ground_truths: list
-    ) -> tuple[list[list[int]], int, int]:
-        """Teacher prompt ids per row (spec §4), the number truncated, the number without a hint."""
+    def _teacher_prompts(self, prompts: list, ground_truths: list) -> TeacherPrompts:
+        """Teacher prompt ids per row (spec §4, `gear.teacher`), rendered like generation's."""
         tok = self._tokenizer
-        template = self._hint_template()
-        rows, truncated, no_hint = [], 0, 0
-        for i, (prompt, gt) in enumerate(zip(prompts, ground_truths, strict=True)):
+
+        def render(i: int, prompt: Any) -> list[int]:
             if self.environment_factories is not None:
-                tools = self._env_tools[self._batch_environments[i]]
-            else:
-                tools = self.tools
-            if gt is None:  # no reference for this row: the teacher sees the student's prompt
-                rows.append(self._render_prompt(prompt, tools))
-                no_hint += 1
-                continue
-            ids, cut = fit_teacher_prompt(
-                lambda p, tools=tools: self._render_prompt(p, tools),
-                prompt,
-                str(gt),
-                template,
-                self.args.teacher_max_prompt_length,
-                tokenize=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-                detokenize=lambda ids: tok.decode(ids),
-            )
-            rows.append(ids)
-            truncated += int(cut)
-        return rows, truncated, no_hint
+                return self._render_prompt(prompt, self._env_tools[self._batch_environments[i]])
+            return self._render_prompt(prompt, self.tools)
+
+        return build_teacher_prompts(
+            prompts,
+            ground_truths,
+            render,
+            self._hint_template(),
+            max_tokens=self.args.teacher_max_prompt_length,
+            tokenize=lambda s: tok(s, add_special_tokens=False)["input_ids"],
+            detokenize=lambda ids: tok.decode(ids),
+            text_hint_position=self.args.text_hint_position,
+        )
 
     # ------------------------------------------------------------------------------- forwards
 
@@ -463,6 +474,7 @@ class GEARTrainer(GRPOTrainer):
             batch_size,
             grad=grad,
             gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            share_prefix=self.args.prefix_sharing and not grad,
         )
 
     @contextmanager
@@ -483,13 +495,14 @@ class GEARTrainer(GRPOTrainer):
 
     @property
     def _signal_temperature(self) -> float:
-        """Sampling temperature, folded with the model's logit scale (logits * s / T)."""
-        return self.temperature / self._logit_scale
+        """The temperature generation actually sampled with (`generation_kwargs` may override
+        `temperature`; greedy decoding: 1), folded with the model's logit scale (logits * s / T)."""
+        return sampling_temperature(self) / self._logit_scale
 
     def _signals(
         self,
         student_hidden: Tensor,
-        teacher_hidden: Tensor,
+        teacher_hidden: Tensor | None,
         token_ids: Tensor,
         mask: Tensor | None = None,
     ) -> TokenSignals:
@@ -504,7 +517,8 @@ class GEARTrainer(GRPOTrainer):
             softcap=self._logit_softcap,
         )
         with self._heads() as (ws, bs, wt, bt):
-            hs, ht = student_hidden.to(ws.dtype), teacher_hidden.to(wt.dtype)
+            hs = student_hidden.to(ws.dtype)
+            ht = None if teacher_hidden is None else teacher_hidden.to(wt.dtype)
             separate = wt is not ws or bt is not bs
             return signals_from_hidden(
                 hs,
@@ -532,10 +546,12 @@ class GEARTrainer(GRPOTrainer):
         mask = (
             completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         )
+        mask = mask * inputs["gear_has_hint"][:, None]  # no ground truth: no teacher to follow
         n_keep = completion_ids.size(1)
-        with torch.no_grad():
+        teacher_model = self._teacher()
+        with torch.no_grad(), eval_mode(self.accelerator.unwrap_model(teacher_model)):
             teacher_hidden = self._final_hidden(
-                self._teacher(),
+                teacher_model,
                 inputs["gear_teacher_input_ids"],
                 inputs["gear_teacher_attention_mask"],
                 n_keep,
@@ -668,6 +684,20 @@ def _ground_truths(inputs: list[dict[str, Any]], column: str) -> list[Any]:
         if column not in row:
             _require_column(column, list(row))
     return [row[column] for row in inputs]
+
+
+def _without_unhinted_rows(signals: TokenSignals, has_hint: Tensor) -> TokenSignals:
+    """The signals for credit: rows without a hint (no ground truth) have no teacher, so their
+    teacher-dependent signals become NaN, which `credit_details` turns into weight 1 (GRPO)
+    and counts in gear/fallback_rows, instead of min-max stretching numerical noise."""
+    none = ~has_hint[:, None]
+    return dataclasses.replace(
+        signals,
+        kl=None if signals.kl is None else signals.kl.masked_fill(none, torch.nan),
+        teacher_logprobs=None
+        if signals.teacher_logprobs is None
+        else signals.teacher_logprobs.masked_fill(none, torch.nan),
+    )
 
 
 def _response_mask(output: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
