@@ -21,7 +21,7 @@ from typing import Any
 
 from gear.credit import METHODS, CreditParams
 from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
-from gear.teacher import HINT_TEMPLATES
+from gear.teacher import HINT_KINDS, HINT_TEMPLATES
 
 #: verl estimator name -> gear.credit method. Distinct from verl's own names (no bare "grpo").
 VERL_ESTIMATORS: dict[str, str] = {
@@ -37,8 +37,7 @@ VERL_ESTIMATORS: dict[str, str] = {
     "gear_grpo": "grpo",  # plain GRPO through GEAR's plumbing (same epsilon, same logging)
 }
 TRAINER_MODE = "gear_sync"
-HINT_KINDS = ("auto", "math", "tool")
-TEACHERS = ("current",)
+TEACHERS = ("current",)  # of gear.teacher.TEACHERS, the ones the verl integration runs
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 _CREDIT_KEYS = tuple(f.name for f in fields(CreditParams) if f.name != "method")
 

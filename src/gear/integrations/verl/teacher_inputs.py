@@ -1,7 +1,8 @@
 """Teacher inputs for verl rows (spec §4): ground truth lookup, teacher prompt ids, padded batches.
 
 The teacher prompt is the row's chat (verl's ``raw_prompt``) with the hint appended to the last
-user message (`gear.teacher`), rendered by the same renderer that built the rollout prompt (verl's
+user message, built by `gear.teacher` (the one teacher-prompt module of every integration) and
+rendered by the same renderer that built the rollout prompt (verl's
 Continuous Token builder: the tokenizer's chat template, ``data.apply_chat_template_kwargs`` and,
 for the tool agent loop, the same tool schemas). The teacher input is that prompt followed by
 exactly the rollout's response ids, observation tokens included.
@@ -19,7 +20,8 @@ import torch
 from torch import Tensor
 
 from gear.integrations.verl.config import GearConfigError, GearVerlConfig
-from gear.teacher import fit_teacher_prompt
+from gear.teacher import TeacherPrompts, hint_template
+from gear.teacher import build_teacher_prompts as build_prompts
 
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], Sequence[int]]
 
@@ -59,21 +61,6 @@ def get_field(row: Mapping[str, Any], path: str) -> Any:
     return node
 
 
-def as_text(value: Any) -> str | None:
-    """Ground truth as hint text: None / empty stays None; lists and dicts as JSON-ish text."""
-    if value is None:
-        return None
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, str):
-        return value if value.strip() else None
-    if isinstance(value, list | tuple) and len(value) == 1 and isinstance(value[0], str):
-        return value[0] if value[0].strip() else None
-    import json
-
-    return json.dumps(value, default=str, ensure_ascii=False)
-
-
 def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
     """verl's ``raw_prompt`` (list of messages, possibly a numpy array of dicts) as a list."""
     if hasattr(raw_prompt, "tolist"):
@@ -81,20 +68,6 @@ def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
     if isinstance(raw_prompt, str):
         return [{"role": "user", "content": raw_prompt}]
     return [dict(m) for m in raw_prompt]
-
-
-def hint_template(cfg: GearVerlConfig, uses_tools: bool) -> str:
-    kind = cfg.hint_kind if cfg.hint_kind != "auto" else ("tool" if uses_tools else "math")
-    return cfg.tool_hint_template if kind == "tool" else cfg.math_hint_template
-
-
-@dataclass
-class TeacherPrompts:
-    """Teacher prompt ids of a batch plus what to log."""
-
-    ids: list[list[int]]
-    truncated: int = 0
-    without_ground_truth: int = 0
 
 
 def build_teacher_prompts(
@@ -107,12 +80,12 @@ def build_teacher_prompts(
     detokenize: Callable[[Sequence[int]], str] | None = None,
     skip: Sequence[bool] | None = None,
 ) -> TeacherPrompts:
-    """Teacher prompt ids for each row.
+    """Teacher prompt ids for each row (`gear.teacher.build_teacher_prompts` on verl's rows).
 
     Args:
         rows: per row a mapping with at least ``raw_prompt`` and the ground-truth field's root.
         student_prompts: the rollout prompt ids of each row (used as is where there is no hint).
-        cfg: GEAR's settings (ground-truth field, hint templates, budget).
+        cfg: GEAR's settings (ground-truth field, hint kind and templates, budget).
         render: (messages, tools) -> prompt ids, exactly as the rollout rendered its prompt.
         tools_for_row: the tool schemas the rollout showed for this row (None: no tools).
         tokenize / detokenize: plain text <-> ids, to cut an over-long ground truth.
@@ -120,34 +93,26 @@ def build_teacher_prompts(
     Raises:
         MissingGroundTruthError: a row lacks the field (a value of None is allowed: no hint).
     """
-    out = TeacherPrompts(ids=[])
-    for i, row in enumerate(rows):
-        if skip is not None and skip[i]:
-            out.ids.append(list(student_prompts[i]))
-            continue
-        gt = as_text(get_field(row, cfg.ground_truth_field))
-        if gt is None:
-            out.ids.append(list(student_prompts[i]))  # no reference: the teacher is the student
-            out.without_ground_truth += 1
-            continue
-        tools = tools_for_row(row)
-        messages = as_messages(row["raw_prompt"])
-        if cfg.teacher_max_prompt_length is not None and (tokenize is None or detokenize is None):
-            raise ValueError(
-                "gear.teacher_max_prompt_length: needs tokenize/detokenize to cut the hint"
-            )
-        ids, cut = fit_teacher_prompt(
-            lambda p, tools=tools: list(render(p, tools)),
-            messages,
-            gt,
-            hint_template(cfg, tools is not None),
-            cfg.teacher_max_prompt_length,
-            tokenize=tokenize or (lambda s: []),
-            detokenize=detokenize or (lambda ids: ""),
-        )
-        out.ids.append(list(ids))
-        out.truncated += int(cut)
-    return out
+    skipped = [bool(skip[i]) if skip is not None else False for i in range(len(rows))]
+    truths = [
+        None if skipped[i] else get_field(row, cfg.ground_truth_field) for i, row in enumerate(rows)
+    ]
+    tools = [None if skipped[i] else tools_for_row(row) for i, row in enumerate(rows)]
+    templates = [
+        hint_template(cfg.hint_kind, t is not None, cfg.math_hint_template, cfg.tool_hint_template)
+        for t in tools
+    ]
+    return build_prompts(
+        [as_messages(row["raw_prompt"]) if not skipped[i] else [] for i, row in enumerate(rows)],
+        truths,
+        lambda i, messages: list(render(messages, tools[i])),
+        templates,
+        max_tokens=cfg.teacher_max_prompt_length,
+        tokenize=tokenize,
+        detokenize=detokenize,
+        student_prompt_ids=student_prompts,
+        skip=skip,
+    )
 
 
 @dataclass
