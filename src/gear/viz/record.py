@@ -19,11 +19,6 @@ from torch import Tensor
 
 from gear.credit import CreditDetails
 
-PER_TOKEN_KEYS = (
-    "tokens", "token_ids", "valid", "kl", "entropy", "kl_norm", "entropy_norm",
-    "onset", "segment_id", "weight", "token_advantage",
-)  # fmt: skip
-
 
 def credit_record_path(run_dir: str | Path, step: int) -> Path:
     """`RUN_DIR/credit/step_{step:06d}.jsonl`."""
