@@ -1,13 +1,16 @@
 """One training step of GEAR vs GRPO: same model, batch and seed, in one process, alternated.
 
-GRPO is TRL's own `GRPOTrainer`; GEAR is `GEARTrainer` (credit_method="gear", current teacher).
-Each repeat trains both from the same initial weights for --steps steps (the first step of each
-run is warm-up and not counted), alternating which goes first. Reported per step: wall time
+GRPO is TRL's own `GRPOTrainer`; GEAR is `GEARTrainer` (credit_method="gear", current teacher)
+with each group's teacher prompt computed once (`prefix_sharing=True`, the default);
+"gear_unshared" is GEAR with `prefix_sharing=False` (the plain teacher pass, "before"). Each
+repeat trains every method from the same initial weights for --steps steps (the first step of
+each run is warm-up and not counted), rotating which goes first. Reported per step: wall time
 (optimizer included) and its breakdown: generation, GEAR's teacher prompts + teacher pass,
 student pass, signals (KL/entropy), credit, and the rest (loss forward/backward, optimizer).
 
-    .venv/bin/python benchmarks/step.py                        # embedded SmolLM2, 16 completions
+    .venv/bin/python benchmarks/step.py --no-bf16              # embedded SmolLM2, 16 completions
     .venv/bin/python benchmarks/step.py --model /path/to/model --steps 4 --repeats 3
+    .venv/bin/python benchmarks/step.py --methods grpo,gear    # without the "before" arm
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json
+from common import machine, print_table, write_json
 
 GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "credit")
+METHODS = ("grpo", "gear", "gear_unshared")
 
 
 class StepClock(TrainerCallback):
@@ -82,7 +86,13 @@ def run(
             callbacks=[clock],
         )
     else:
-        cfg = GEARConfig(**common, credit_method="gear", teacher="current", credit_log_steps=0)
+        cfg = GEARConfig(
+            **common,
+            credit_method="gear",
+            teacher="current",
+            credit_log_steps=0,
+            prefix_sharing=method == "gear",
+        )
         trainer = GEARTrainer(
             model=model,
             reward_funcs=[task.reward],
@@ -152,8 +162,17 @@ def main() -> None:
         help="0 (default) keeps the weights, so both methods sample the same completions every "
         "step and the ratio measures GEAR's cost alone; the optimizer still runs",
     )
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated, from grpo, gear (prefix sharing on), gear_unshared (off); "
+        "grpo and gear are required",
+    )
     ap.add_argument("--name", default="step")
     args = ap.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not {"grpo", "gear"} <= set(methods) or not set(methods) <= set(METHODS):
+        ap.error(f"--methods: expected grpo, gear and optionally gear_unshared, got {methods}")
 
     import tempfile
     import warnings
@@ -170,7 +189,7 @@ def main() -> None:
     dataset = get_task("arithmetic").dataset("train", n=256, seed=args.seed)
     rows: list[dict] = []
     for rep in range(args.repeats):
-        order = ("grpo", "gear") if rep % 2 == 0 else ("gear", "grpo")
+        order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
         for method in order:
             with tempfile.TemporaryDirectory() as out:
                 result = run(method, model0, tokenizer, dataset, args, out)
@@ -194,7 +213,7 @@ def main() -> None:
         "credit_s",
         "rest_s",
     ]
-    for method in ("grpo", "gear"):
+    for method in methods:
         mine = [r for r in measured if r["method"] == method]
         summary.append(
             {
@@ -203,7 +222,8 @@ def main() -> None:
                 **{c: statistics.median(r[c] for r in mine) for c in cols},
             }
         )
-    grpo, gear = summary
+    by = {s["method"]: s for s in summary}
+    grpo, gear = by["grpo"], by["gear"]
     ratio = gear["wall_s"] / grpo["wall_s"]
     credit_share = gear["credit_s"] / gear["wall_s"]
     print_table(
@@ -217,15 +237,37 @@ def main() -> None:
     per_pair = defaultdict(dict)
     for r in measured:
         per_pair[(r["repeat"], r["step"])][r["method"]] = r["wall_s"]
-    pair_ratios = [p["gear"] / p["grpo"] for p in per_pair.values() if len(p) == 2]
+    pair_ratios = [p["gear"] / p["grpo"] for p in per_pair.values() if {"gear", "grpo"} <= set(p)]
+    extra: dict[str, Any] = {}
+    if "gear_unshared" in by:
+        before = by["gear_unshared"]
+        extra = {
+            "ratio_unshared": before["wall_s"] / grpo["wall_s"],
+            "paired_ratios_unshared": [
+                p["gear_unshared"] / p["grpo"]
+                for p in per_pair.values()
+                if {"gear_unshared", "grpo"} <= set(p)
+            ],
+            "teacher_s_unshared": before["teacher_s"],
+            "teacher_s_shared": gear["teacher_s"],
+            "teacher_share_of_unshared": gear["teacher_s"] / before["teacher_s"],
+        }
+        print(
+            f"GEAR without prefix sharing / GRPO: {extra['ratio_unshared']:.3f}   teacher pass "
+            f"{before['teacher_s']:.2f} s -> {gear['teacher_s']:.2f} s "
+            f"({100 * extra['teacher_share_of_unshared']:.0f}%)"
+        )
     write_json(
         args.name,
         {
+            "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},
+            "precision": "bf16 autocast" if args.bf16 else "float32",
             "args": vars(args),
             "rows": rows,
             "summary": summary,
             "ratio": ratio,
             "paired_ratios": pair_ratios,
+            **extra,
             "credit_share": credit_share,
         },
     )

@@ -185,3 +185,57 @@ def test_prefix_without_a_cache_falls_back_to_the_plain_forward_and_warns_once(l
         "gradient checkpointing on); using the plain forward (each row's prompt is recomputed)"
     ]
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("teacher", ["current", "frozen"])
+def test_prefix_sharing_in_the_trainer_gives_the_plain_signals(tmp_path, monkeypatch, teacher):
+    """GEARTrainer's teacher pass and student forward share each group's prompt (two groups of
+    two rows, prompts of different lengths), and the KL / entropy equal those of plain passes."""
+    from _trl_helpers import byte_tokenizer, dataset, make_trainer
+
+    data = dataset().map(
+        lambda row, i: {
+            "prompt": [{"role": "user", "content": "Hm, " * i + row["prompt"][0]["content"]}]
+        },
+        with_indices=True,
+    )
+    trainer = make_trainer(
+        tmp_path,
+        byte_tokenizer(),
+        data=data,
+        teacher=teacher,
+        student_hidden_from_generation=False,  # the student forward runs too
+    )
+    shared_chunks = []
+    real_chunk = prefix._chunk_hidden
+    monkeypatch.setattr(
+        prefix, "_chunk_hidden", lambda *a, **k: shared_chunks.append(1) or real_chunk(*a, **k)
+    )
+    calls, seen = [], []
+    real_final, real_signals = trainer._final_hidden, trainer._signals
+    monkeypatch.setattr(
+        trainer, "_final_hidden", lambda *a, **k: calls.append((a, k)) or real_final(*a, **k)
+    )
+    monkeypatch.setattr(
+        trainer, "_signals", lambda *a, **k: seen.append((a, k)) or real_signals(*a, **k)
+    )
+    trainer.model.train()
+    trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    assert len(calls) == 2 and len(shared_chunks) == 2  # student, teacher: one chunk each
+    teacher_ids = calls[1][0][1]
+    n_keep = calls[1][0][3]
+    assert len(group_prefixes(teacher_ids, calls[1][0][2], n_keep)[0]) == 2  # 2 groups of 2
+
+    (student, teacher_hidden, ids), kwargs = seen[0]
+    trainer.args.prefix_sharing = False
+    with torch.no_grad():
+        plain = [real_final(*a, **k) for a, k in calls]
+    shared, unshared = (
+        real_signals(student, teacher_hidden, ids, **kwargs),
+        real_signals(*plain, ids, **kwargs),
+    )
+    valid = kwargs["mask"]
+    assert valid.any()
+    torch.testing.assert_close(shared.kl[valid], unshared.kl[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.entropy[valid], unshared.entropy[valid], atol=1e-5, rtol=0)
+    assert unshared.kl[valid].mean() > 1e-3
