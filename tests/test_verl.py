@@ -1,11 +1,12 @@
 """GEAR on verl (gear.integrations.verl), on CPU.
 
-Without verl: config validation, GRPO per uid, the estimator against gear.credit, teacher prompts,
-verl-layout padding, and the teacher pass of a tiny random Llama against an unpadded reference.
+Without verl: config validation, GRPO per uid, the estimator against gear.credit, teacher prompts.
 With verl (pytest.importorskip): registration in verl's registry (idempotent, distinct names, the
 ``verl.plugins`` entry point in a fresh interpreter), verl's stock ``compute_advantage`` on a
-DataProto built like verl's, GEAR's v1 trainer with an in-memory TransferQueue and a fake actor
-worker, the example Hydra configs, and the tools of the multi-turn example.
+DataProto built like verl's, GEAR's v1 trainer with an in-memory TransferQueue and the real
+`GearActorRolloutRefWorker` over verl's CPU inference path on 2 "ranks" (`_verl_helpers`), the
+example Hydra configs, and the tools of the multi-turn example. The teacher pass itself against a
+full-logits oracle: tests/test_verl_worker.py.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import re
 import subprocess
 import sys
 import textwrap
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from _verl_helpers import gear_worker, verl_on_cpu
 from gear.credit import CreditParams, token_advantages
 from gear.credit.signals import signals_from_logits
 from gear.integrations.verl.config import (
@@ -46,9 +47,7 @@ from gear.integrations.verl.teacher_inputs import (
     MissingGroundTruthError,
     build_teacher_prompts,
     get_field,
-    left_pad_batch,
 )
-from gear.integrations.verl.teacher_pass import TeacherPassOptions, teacher_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "verl"
@@ -282,7 +281,7 @@ def fake_render(messages, tools):
     return [*ids, 1]
 
 
-def test_teacher_prompts_and_padding():
+def test_teacher_prompts():
     cfg = GearVerlConfig(ground_truth_field="reward_model.ground_truth")
     rows = [
         {
@@ -337,15 +336,6 @@ def test_teacher_prompts_and_padding():
             [{"raw_prompt": rows[0]["raw_prompt"]}], student[:1], cfg, fake_render
         )
 
-    b = left_pad_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], pad_token_id=0)
-    assert b.input_ids.tolist() == [[5, 6, 7, 9, 10, 0], [0, 0, 8, 11, 12, 13]]
-    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
-    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
-    assert b.responses.tolist() == [[9, 10, 0], [11, 12, 13]] and b.response_lengths.tolist() == [
-        2,
-        3,
-    ]
-
 
 @pytest.fixture(scope="module")
 def tiny_lm():
@@ -363,19 +353,6 @@ def tiny_lm():
         attn_implementation="eager",
     )
     return LlamaForCausalLM(cfg).eval()
-
-
-def lm_forward(model):
-    def forward(ids, mask, pos, keep):
-        return model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=False,
-            logits_to_keep=keep,
-        ).logits
-
-    return forward
 
 
 def reference_signals(model, prompt, teacher_prompt, response, temperature):
@@ -408,24 +385,6 @@ def random_rows(seed, n=5):
     teachers = [p + ids(2, 6) for p in prompts]  # a longer prompt: the hint
     responses = [ids(1, 8) for _ in range(n)]
     return prompts, teachers, responses
-
-
-def test_teacher_pass_matches_unpadded_reference(tiny_lm):
-    prompts, teachers, responses = random_rows(1)
-    opts = TeacherPassOptions(temperature=0.7, micro_batch_size=2, chunk_size=3)
-    out = teacher_signals(
-        lm_forward(tiny_lm), prompts, teachers, responses, opts, n_micro_batches=4
-    )
-    for i in range(len(prompts)):
-        ref = reference_signals(tiny_lm, prompts[i], teachers[i], responses[i], 0.7)
-        for name, key in SIGNAL_FIELDS.items():
-            torch.testing.assert_close(
-                out.values[key][i], getattr(ref, name)[0], rtol=1e-4, atol=1e-5
-            )
-    assert float(torch.cat(out.values["gear_kl"]).max()) > 0
-    # identical prompts: the teacher is the student, KL 0
-    same = teacher_signals(lm_forward(tiny_lm), prompts, prompts, responses, opts)
-    assert float(torch.cat(same.values["gear_kl"]).abs().max()) < 1e-5
 
 
 # ------------------------------------------------------------------------------------- with verl
@@ -620,61 +579,48 @@ class FakeTQ:
         return TensorDict(out, batch_size=[len(keys)])
 
 
-class FakeEngine:
-    def __init__(self, module):
-        self.module = module
-
-    def eval_mode(self):
-        return nullcontext()
-
-    def is_mp_src_rank_with_outputs(self):
-        return True
-
-    def get_data_parallel_group(self):
-        return None
-
-
 class FakeActorWorkerGroup:
-    """Stands for verl's RayWorkerGroup: splits rows over 2 'ranks', runs the worker body on each
-    (as verl's tq bridge would: fetch the meta's fields, attach extra_info), writes back."""
+    """Stands for verl's RayWorkerGroup: splits rows over 2 'ranks' and runs the real
+    `GearActorRolloutRefWorker` (verl's TrainingWorker and engine on CPU) on each, as verl's tq
+    bridge would: fetch the meta's fields, attach extra_info, write the outputs back."""
 
     def __init__(self, tq, module):
-        self.tq, self.engine, self.calls = tq, FakeEngine(module), 0
+        self.tq, self.calls = tq, 0
+        self.worker = gear_worker(module, True, True, max_token_len=256)
 
-    def compute_gear_signals(self, meta):
+    def compute_log_prob(self, meta):
         from verl.utils import tensordict_utils as tu
-
-        from gear.integrations.verl.worker import compute_gear_signals_on_engine
 
         self.calls += 1
         half = (len(meta.keys) + 1) // 2
         for keys in (meta.keys[:half], meta.keys[half:]):
             td = self.tq.kv_batch_get(keys, meta.partition_id, meta.fields)
-            assert sorted(td.keys()) == sorted(meta.fields)
-            for k, v in meta.extra_info.items():
-                tu.assign_non_tensor_data(tensor_dict=td, key=k, val=v)
-            out = compute_gear_signals_on_engine(self.engine, td, device="cpu")
-            self.tq.kv_batch_put(keys, meta.partition_id, out)
+            tu.assign_non_tensor(td, **meta.extra_info)
+            with verl_on_cpu():
+                out = self.worker.compute_log_prob(td)
+            tensors = [k for k in out.keys() if isinstance(out.get(k), torch.Tensor)]  # noqa: SIM118
+            self.tq.kv_batch_put(keys, meta.partition_id, out.select(*tensors))
         return meta
 
 
 class BridgedActorWorkerGroup:
-    """The worker body behind verl's real tq bridge (what @register wraps worker methods with)."""
+    """The real worker method behind verl's real tq bridge (its @register wraps it)."""
 
     def __init__(self, module):
-        from verl.utils.transferqueue_utils import tqbridge
-
-        from gear.integrations.verl.worker import compute_gear_signals_on_engine
-
-        engine = FakeEngine(module)
         self.calls = 0
-        self._body = tqbridge(dispatch_mode=None)(
-            lambda data: compute_gear_signals_on_engine(engine, data, device="cpu")
-        )
+        self.worker = gear_worker(module, True, True, max_token_len=256)
 
-    def compute_gear_signals(self, meta):
+    def compute_log_prob(self, meta):
         self.calls += 1
-        return self._body(meta)
+        with verl_on_cpu():
+            return self.worker.compute_log_prob(meta)
+
+
+def verl_old_log_prob(self, batch, metrics):
+    """verl's v1 ``_compute_old_log_prob``, reduced to its call of the actor workers."""
+    batch.extra_info.update({"calculate_entropy": True, "compute_loss": False, "temperature": 0.8})
+    self.actor_rollout_wg.compute_log_prob(batch)
+    return batch
 
 
 class Tok:
@@ -720,7 +666,10 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
                 "uid": uids[i],
                 "prompts": torch.tensor(student_prompts[i]),
                 "responses": torch.tensor(responses[i]),
+                "input_ids": torch.tensor(student_prompts[i] + responses[i]),
+                "position_ids": torch.arange(len(student_prompts[i]) + len(responses[i])),
                 "response_mask": masks[i],
+                "loss_mask": masks[i],
                 "rm_scores": rm,
                 "old_log_probs": torch.zeros(len(responses[i])),
                 "raw_prompt": raw[i],
@@ -734,7 +683,9 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
     tq.kv_batch_put(
         keys=keys, partition_id=partition, fields=list_of_dict_to_tensordict(rows), tags=tags
     )
-    batch = KVBatchMeta(keys=keys, tags=[{}] * 6 + [{"is_padding": True}], partition_id=partition)
+    batch = KVBatchMeta(
+        keys=keys, tags=[{}] * 6 + [{"is_padding": True}], partition_id=partition, extra_info={}
+    )
 
     overrides = {
         "gear.teacher_micro_batch_size_per_gpu": 2,
@@ -757,7 +708,7 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
     trainer.tokenizer = Tok()
     trainer.processor = None
     trainer.actor_rollout_wg = worker_group
-    monkeypatch.setattr(trainer_sync.PPOTrainerSync, "_compute_old_log_prob", lambda self, b, m: b)
+    monkeypatch.setattr(trainer_sync.PPOTrainerSync, "_compute_old_log_prob", verl_old_log_prob)
 
     metrics: dict = {}
     assert trainer._compute_old_log_prob(batch, metrics) is batch  # verl's pass, then GEAR's

@@ -24,8 +24,6 @@ from typing import Any
 
 from gear.tasks import get_task
 
-HINT_FIELD = "extra_info.ground_truth"
-
 
 def verl_rows(
     task_name: str, split: str, n: int | None = None, seed: int = 0, **options: Any

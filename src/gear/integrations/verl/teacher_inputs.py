@@ -1,4 +1,4 @@
-"""Teacher inputs for verl rows (spec §4): ground truth lookup, teacher prompt ids, padded batches.
+"""Teacher inputs for verl rows (spec §4): ground truth lookup, teacher prompt ids.
 
 The teacher prompt is the row's chat (verl's ``raw_prompt``) with the hint appended to the last
 user message, built by `gear.teacher` (the one teacher-prompt module of every integration) and
@@ -7,17 +7,14 @@ Continuous Token builder: the tokenizer's chat template, ``data.apply_chat_templ
 for the tool agent loop, the same tool schemas). The teacher input is that prompt followed by
 exactly the rollout's response ids, observation tokens included.
 
-Pure Python / PyTorch: nothing here imports verl.
+Pure Python: nothing here imports verl. The model inputs (prompt ⊕ response, verl's packed or
+right-padded layout) are built on the actor workers (`gear.integrations.verl.teacher_pass`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import torch
-from torch import Tensor
 
 from gear.integrations.verl.config import GearConfigError, GearVerlConfig
 from gear.teacher import TeacherPrompts, hint_template
@@ -113,66 +110,3 @@ def build_teacher_prompts(
         student_prompt_ids=student_prompts,
         skip=skip,
     )
-
-
-@dataclass
-class PaddedBatch:
-    """Prompt ⊕ response rows in verl's layout: prompts left-padded, responses right-padded."""
-
-    input_ids: Tensor  # (B, P + R)
-    attention_mask: Tensor  # (B, P + R) long
-    position_ids: Tensor  # (B, P + R)
-    responses: Tensor  # (B, R), pad_token_id after each row's response
-    response_lengths: Tensor  # (B,)
-
-
-def left_pad_batch(
-    prompts: Sequence[Tensor | Sequence[int]],
-    responses: Sequence[Tensor | Sequence[int]],
-    pad_token_id: int,
-    response_width: int | None = None,
-) -> PaddedBatch:
-    """Pad like verl's rollout batch: every response starts at the same column P.
-
-    With this layout the logits that predict response token j sit at column P - 1 + j for every
-    row, so a forward with ``logits_to_keep = R + 1`` returns only what the signals need.
-    """
-    if len(prompts) != len(responses):
-        raise ValueError(
-            f"responses: expected {len(prompts)} rows (one per prompt), got {len(responses)}"
-        )
-    ps = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
-    rs = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in responses]
-    b = len(ps)
-    p_max = max((p.numel() for p in ps), default=0)
-    r_max = max((r.numel() for r in rs), default=0) if response_width is None else response_width
-    ids = torch.full((b, p_max + r_max), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((b, p_max + r_max), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(ps, rs, strict=True)):
-        if r.numel() > r_max:
-            raise ValueError(
-                f"responses: row {i} has {r.numel()} tokens, more than the width {r_max}"
-            )
-        ids[i, p_max - p.numel() : p_max] = p
-        ids[i, p_max : p_max + r.numel()] = r
-        mask[i, p_max - p.numel() : p_max + r.numel()] = 1
-    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return PaddedBatch(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        responses=ids[:, p_max:],
-        response_lengths=torch.tensor([r.numel() for r in rs], dtype=torch.long),
-    )
-
-
-def teacher_input_ids(
-    teacher_prompts: Sequence[Sequence[int]], responses: Sequence[Tensor | Sequence[int]]
-) -> list[Tensor]:
-    """Teacher input of each row: teacher prompt ⊕ exactly the response ids (unpadded)."""
-    return [
-        torch.cat(
-            [torch.as_tensor(p, dtype=torch.long), torch.as_tensor(r, dtype=torch.long).reshape(-1)]
-        )
-        for p, r in zip(teacher_prompts, responses, strict=True)
-    ]

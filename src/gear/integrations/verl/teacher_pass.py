@@ -1,44 +1,55 @@
-"""The worker-side teacher pass: student and teacher forwards over the same response tokens, and
-the per-token signals of spec §1 from both logits (full-vocabulary reverse KL, student entropy,
-log-probabilities of the sampled tokens), chunked through `gear.credit.signals_from_logits`.
+"""The worker-side teacher pass: per-token signals of spec §1 (full-vocabulary reverse KL, student
+entropy, log-probabilities of the sampled tokens) from the *final hidden states* of the student
+and of the teacher and the LM head, through `gear.credit.signals_from_hidden`, the one chunked
+kernel. No forward here asks the model for more than one position of logits
+(``logits_to_keep=1``), so beyond the model's own activations the pass holds, per micro-batch,
+the (M, H) student and teacher hidden states of the M response tokens and one chunk of
+(chunk_size, V) logits, never (rows, R, V).
 
-`teacher_signals` is pure PyTorch and takes the model as a callable, so it runs on CPU with any
-small model; `worker.py` supplies verl's FSDP module as that callable.
+Layouts are verl's (v1 trainer, ``pad_mode=no_padding``): each row's sequence is prompt ⊕
+response with no padding inside it; a micro-batch is either *packed* (``use_remove_padding``:
+input ids (1, N), position ids restarting at 0 for every row, no attention mask; verl's
+flash-attention varlen patch on GPU, transformers' packed-sequence mask elsewhere) or
+right-padded (B, W) with an attention mask. Row i's response token k sits at sequence index
+P_i + k and is predicted by the final hidden state at P_i + k - 1.
+
+Pure PyTorch: `micro_batch_signals` takes the (FSDP-wrapped) Hugging Face module; `worker.py`
+calls it once per verl micro-batch, on the student hidden states it captured from verl's own
+old-log-prob forward (or from one student forward of ours where verl runs none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from gear.credit.signals import signals_from_logits
-from gear.integrations.verl.estimators import SIGNAL_FIELDS
-from gear.integrations.verl.teacher_inputs import PaddedBatch, left_pad_batch
+from gear.credit.signals import TokenSignals, signals_from_hidden
 
-#: forward(input_ids, attention_mask, position_ids, logits_to_keep) -> (B, logits_to_keep, V)
-Forward = Callable[[Tensor, Tensor, Tensor, int], Tensor]
+#: non-tensor batch key: verl's old-log-prob pass runs the teacher pass too (worker.py)
+FUSED_KEY = "gear_signals"
 
 
 @dataclass
 class TeacherPassOptions:
+    """Options of the pass (``gear.*`` keys, carried in the batch's non-tensor data).
+
+    micro_batch_size: at most this many rows per teacher forward (verl's micro-batch is split).
+    max_token_len: with verl's dynamic batch size, at most this many tokens per teacher forward
+        (a row longer than that on its own still gets its own forward); None: no token cap.
+    """
+
     temperature: float = 1.0
     estimator: str = "full"
     topk: int = 64
     chunk_size: int = 256
     micro_batch_size: int = 4
     pad_token_id: int = 0
-
-
-@dataclass
-class RowSignals:
-    """Per-row signals, each a list of 1-D float32 tensors of the row's response length."""
-
-    values: dict[str, list[Tensor]] = field(
-        default_factory=lambda: {k: [] for k in SIGNAL_FIELDS.values()}
-    )
+    max_token_len: int | None = None
 
 
 def _rows(x: Tensor | Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
@@ -50,92 +61,311 @@ def _rows(x: Tensor | Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
     return [torch.as_tensor(t).reshape(-1) for t in x]
 
 
-@torch.no_grad()
-def teacher_signals(
-    forward: Forward,
-    prompts: Tensor | Sequence[Tensor | Sequence[int]],
-    teacher_prompts: Tensor | Sequence[Tensor | Sequence[int]],
-    responses: Tensor | Sequence[Tensor | Sequence[int]],
-    options: TeacherPassOptions,
-    n_micro_batches: int | None = None,
-    device: torch.device | str | None = None,
-) -> RowSignals:
-    """Signals for every row, `options.micro_batch_size` rows per forward pair.
-
-    Position t of both passes scores response token t: student input = prompt ⊕ response, teacher
-    input = teacher prompt ⊕ the same response, both padded so the responses share columns.
-
-    Args:
-        forward: the model (see `Forward`); called twice per micro-batch, student first.
-        prompts / teacher_prompts / responses: per-row ids (nested tensor or lists).
-        n_micro_batches: run this many micro-batches (>= the real count): the extra ones repeat
-            the first and are discarded, so data-parallel ranks with fewer rows keep in step with
-            sharded (FSDP) forwards.
-        device: where the forwards run (default: CPU tensors as given).
-    Returns:
-        `RowSignals` keyed by the batch field names (gear_kl, gear_entropy, ...), on CPU.
-    """
-    ps, tps, rs = _rows(prompts), _rows(teacher_prompts), _rows(responses)
-    if not len(ps) == len(tps) == len(rs):
-        raise ValueError(
-            f"teacher pass: expected as many prompts, teacher prompts and responses, got "
-            f"{len(ps)}, {len(tps)}, {len(rs)}"
-        )
-    mb = options.micro_batch_size
-    starts = list(range(0, len(rs), mb))
-    total = max(len(starts), n_micro_batches or 0)
-    out = RowSignals()
-    for k in range(total):
-        dummy = k >= len(starts)
-        if dummy and not starts:
-            break  # nothing to repeat: a rank without rows cannot join (see worker.py)
-        a = starts[0] if dummy else starts[k]
-        sl = slice(a, a + mb)
-        student = left_pad_batch(ps[sl], rs[sl], options.pad_token_id)
-        teacher = left_pad_batch(
-            tps[sl], rs[sl], options.pad_token_id, response_width=student.responses.shape[1]
-        )
-        width = student.responses.shape[1]
-        if width == 0:
-            if not dummy:
-                for key in out.values:
-                    out.values[key].extend(torch.zeros(0) for _ in rs[sl])
-            continue
-
-        def run(b: PaddedBatch, width: int = width) -> Tensor:
-            ids, mask, pos = (
-                t.to(device) if device is not None else t
-                for t in (b.input_ids, b.attention_mask, b.position_ids)
-            )
-            logits = forward(ids, mask, pos, width + 1)
-            if logits.shape[1] < width + 1:
-                raise ValueError(
-                    f"teacher pass: forward returned {logits.shape[1]} positions, expected {width + 1}"
-                )
-            return logits[:, -(width + 1) : -1]  # column P - 1 + j predicts response token j
-
-        s_logits = run(student)
-        t_logits = run(teacher)
-        tokens = student.responses.to(s_logits.device)
-        sig = signals_from_logits(
-            s_logits,
-            t_logits,
-            tokens,
-            temperature=options.temperature,
-            estimator=options.estimator,
-            topk=options.topk,
-            chunk_size=options.chunk_size,
-        )
-        del s_logits, t_logits
-        if dummy:
-            continue
-        for name, key in SIGNAL_FIELDS.items():
-            values = getattr(sig, name).float().cpu()
-            for i, length in enumerate(student.response_lengths.tolist()):
-                out.values[key].append(values[i, :length].clone())
-    return out
-
-
 def nested(rows: list[Tensor]) -> Tensor:
     """A jagged nested tensor of 1-D rows (verl's layout for per-token fields)."""
     return torch.nested.as_nested_tensor([r.reshape(-1) for r in rows], layout=torch.jagged)
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module under FSDP1 / DDP-style wrappers (``.module``) and PEFT (``get_base_model``)."""
+    while type(module).__name__ in ("FullyShardedDataParallel", "DistributedDataParallel"):
+        module = module.module
+    if hasattr(module, "get_base_model"):
+        module = module.get_base_model()
+    return module
+
+
+def backbone(module: nn.Module) -> nn.Module:
+    """The decoder whose output is the final (normed) hidden state that the LM head reads."""
+    return _unwrap(module).base_model
+
+
+def output_head(module: nn.Module) -> nn.Module:
+    """The LM head, unwrapped so that a hook on it runs while FSDP has its weight unsharded."""
+    head = _unwrap(module).get_output_embeddings()
+    if head is None:
+        raise ValueError("teacher pass: the model has no output embeddings (LM head)")
+    while type(head).__name__ == "FullyShardedDataParallel":
+        head = head.module
+    return head
+
+
+def _full(t: Tensor | None) -> Tensor | None:
+    return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
+
+
+@contextlib.contextmanager
+def capture_rows(module: nn.Module, index: Tensor) -> Iterator[list[Tensor]]:
+    """While open, each forward of `module` appends its output's rows `index` of the flattened
+    (B * W, H) final hidden states, as an (M, H) copy (the full output is not kept)."""
+    got: list[Tensor] = []
+
+    def hook(mod: nn.Module, args: Any, output: Any) -> None:
+        h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        got.append(h.reshape(-1, h.shape[-1]).index_select(0, index.to(h.device)).detach())
+
+    handle = backbone(module).register_forward_hook(hook)
+    try:
+        yield got
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def on_head(module: nn.Module, fn: Callable[[Tensor, Tensor | None], None]) -> Iterator[None]:
+    """While open, `fn(weight, bias)` runs just before each call of the LM head, inside the
+    forward, where FSDP (1 or 2) holds the head's full weight."""
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        fn(_full(mod.weight), _full(getattr(mod, "bias", None)))
+
+    handle = output_head(module).register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# ----------------------------------------------------------------------------------- layouts
+
+
+@dataclass
+class Inputs:
+    """Model inputs of a list of sequences in verl's packed or right-padded layout."""
+
+    kwargs: dict[str, Tensor | None]
+    starts: Tensor  # (B,) flat index of each row's first token in the (B * W, H) output
+    lengths: Tensor  # (B,)
+
+
+def model_inputs(seqs: Sequence[Tensor], remove_padding: bool, pad_token_id: int) -> Inputs:
+    """input_ids / position_ids / attention_mask of `seqs` (1-D long each), on CPU."""
+    lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.long)
+    positions = [torch.arange(n, dtype=torch.long) for n in lengths.tolist()]
+    if remove_padding:
+        starts = torch.cumsum(lengths, 0) - lengths
+        kwargs: dict[str, Tensor | None] = {
+            "input_ids": torch.cat(list(seqs)).unsqueeze(0),
+            "position_ids": torch.cat(positions).unsqueeze(0),
+            "attention_mask": None,
+        }
+        return Inputs(kwargs, starts, lengths)
+    width = int(lengths.max())
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    pos = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, p) in enumerate(zip(seqs, positions, strict=True)):
+        ids[i, : s.numel()], mask[i, : s.numel()], pos[i, : s.numel()] = s, 1, p
+    kwargs = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+    return Inputs(kwargs, torch.arange(len(seqs)) * width, lengths)
+
+
+def response_index(starts: Tensor, lengths: Tensor, response_lengths: Tensor) -> Tensor:
+    """(M,) flat indices of the hidden states predicting each row's response tokens: row i's
+    positions L_i - R_i - 1 .. L_i - 2 (prompt ⊕ response, P_i = L_i - R_i >= 1)."""
+    prompt_lengths = lengths - response_lengths
+    if bool((prompt_lengths < 1).any()):
+        raise ValueError(
+            f"teacher pass: every row needs a prompt of at least one token, got prompt lengths "
+            f"{prompt_lengths.tolist()}"
+        )
+    first = starts + prompt_lengths - 1
+    return torch.cat(
+        [
+            torch.arange(f, f + r)
+            for f, r in zip(first.tolist(), response_lengths.tolist(), strict=True)
+        ]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+
+
+def groups(lengths: Sequence[int], max_rows: int, max_tokens: int | None) -> list[list[int]]:
+    """Consecutive rows in groups of at most `max_rows` rows and `max_tokens` tokens (a longer
+    row alone makes a group)."""
+    out: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        full = out and (
+            len(out[-1]) >= max_rows or (max_tokens is not None and tokens + n > max_tokens)
+        )
+        if not out or full:
+            out.append([])
+            tokens = 0
+        out[-1].append(i)
+        tokens += n
+    return out
+
+
+# ----------------------------------------------------------------------------------- the pass
+
+
+def forward_hidden(
+    module: nn.Module,
+    seqs: Sequence[Tensor],
+    response_lengths: Tensor,
+    remove_padding: bool,
+    pad_token_id: int,
+    device: torch.device | str,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> Tensor:
+    """One forward of `seqs`; (M, H) final hidden states predicting the response tokens."""
+    x = model_inputs(seqs, remove_padding, pad_token_id)
+    index = response_index(x.starts, x.lengths, response_lengths)
+    kwargs = {k: v.to(device) if v is not None else None for k, v in x.kwargs.items()}
+    with capture_rows(module, index) as got, autocast():
+        module(**kwargs, use_cache=False, logits_to_keep=1)
+    return got[0]
+
+
+def dummy_forward(
+    module: nn.Module, pad_token_id: int, device: torch.device | str, autocast: Callable
+) -> None:
+    """A one-token forward whose result is discarded: keeps FSDP's collectives in step on a
+    rank that has less (or nothing) to compute."""
+    with autocast():
+        module(
+            input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long, device=device),
+            position_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+
+
+def teacher_signals(
+    module: nn.Module,
+    seqs: Sequence[Tensor],
+    response_lengths: Tensor,
+    student_hidden: Tensor,
+    tokens: Tensor,
+    options: TeacherPassOptions,
+    remove_padding: bool,
+    device: torch.device | str,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> TokenSignals:
+    """One teacher forward of `seqs` (teacher prompt ⊕ response); the signals are computed just
+    before the LM head runs (its full weight at hand under FSDP), from the teacher's final hidden
+    states and `student_hidden` (M, H) of the same M response `tokens`. Returns (1, M) signals."""
+    x = model_inputs(seqs, remove_padding, options.pad_token_id)
+    index = response_index(x.starts, x.lengths, response_lengths)
+    kwargs = {k: v.to(device) if v is not None else None for k, v in x.kwargs.items()}
+    result: list[TokenSignals] = []
+    with capture_rows(module, index) as teacher_hidden:
+
+        def signals(weight: Tensor, bias: Tensor | None) -> None:
+            # the backbone has run (its hook filled teacher_hidden); the head has not
+            result.append(
+                signals_from_hidden(
+                    student_hidden.to(weight.dtype)[None],
+                    teacher_hidden[-1].to(weight.dtype)[None],
+                    weight,
+                    tokens[None],
+                    lm_head_bias=bias,
+                    temperature=options.temperature,
+                    estimator=options.estimator,
+                    topk=options.topk,
+                    chunk_size=options.chunk_size,
+                )
+            )
+
+        with on_head(module, signals), autocast():
+            module(**kwargs, use_cache=False, logits_to_keep=1)
+    if len(result) != 1:
+        raise RuntimeError(
+            f"teacher pass: expected one LM head call per forward, got {len(result)}"
+        )
+    return result[0]
+
+
+def micro_batch_signals(
+    module: nn.Module,
+    student_hidden: Tensor | None,
+    prompts: Sequence[Tensor],
+    teacher_prompts: Sequence[Tensor],
+    responses: Sequence[Tensor],
+    options: TeacherPassOptions,
+    remove_padding: bool,
+    device: torch.device | str = "cpu",
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    sync: Callable[[int], int] = lambda n: n,
+) -> dict[str, list[Tensor]]:
+    """Signals of one micro-batch of rows, each a list of (R_i,) float32 tensors on CPU.
+
+    Args:
+        module: the model (root module: FSDP's hooks fire).
+        student_hidden: (M, H) student final hidden states predicting the M = Σ R_i response
+            tokens (row-major), captured from verl's forward; None: one student forward here.
+        prompts / teacher_prompts / responses: per row, 1-D ids.
+        options: see `TeacherPassOptions`.
+        remove_padding: verl's ``use_remove_padding`` (packed forwards) or right padding.
+        autocast: the context verl's forward runs under (mixed precision).
+        sync: n -> the number of teacher forwards to run, >= n (the largest n over the
+            data-parallel ranks); the extra forwards are one-token dummies.
+    Returns:
+        {"kl", "entropy", "student_logprobs", "teacher_logprobs"} -> list of (R_i,) tensors.
+    """
+    n = len(responses)
+    if not len(prompts) == len(teacher_prompts) == n:
+        raise ValueError(
+            f"teacher pass: expected as many prompts, teacher prompts and responses, got "
+            f"{len(prompts)}, {len(teacher_prompts)}, {n}"
+        )
+    r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+    offsets = torch.cumsum(r_len, 0) - r_len
+    teacher_seqs = [
+        torch.cat([tp.long(), r.long()]) for tp, r in zip(teacher_prompts, responses, strict=True)
+    ]
+    if student_hidden is None:
+        if n:
+            student_seqs = [
+                torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses, strict=True)
+            ]
+            student_hidden = forward_hidden(
+                module, student_seqs, r_len, remove_padding, options.pad_token_id, device, autocast
+            )
+        else:
+            dummy_forward(module, options.pad_token_id, device, autocast)
+    elif student_hidden.shape[0] != int(r_len.sum()):
+        raise ValueError(
+            f"student_hidden: expected {int(r_len.sum())} rows (one per response token), got "
+            f"{tuple(student_hidden.shape)}"
+        )
+    parts = groups(
+        [s.numel() for s in teacher_seqs], options.micro_batch_size, options.max_token_len
+    )
+    total = sync(len(parts))
+    out: dict[str, list[Tensor]] = {
+        k: [torch.zeros(0)] * n for k in TokenSignals.__dataclass_fields__
+    }
+    for k in range(total):
+        if k >= len(parts):
+            dummy_forward(module, options.pad_token_id, device, autocast)
+            continue
+        rows = parts[k]
+        lens = r_len[rows]
+        if int(lens.sum()) == 0:  # nothing to score, but the forward keeps ranks in step
+            dummy_forward(module, options.pad_token_id, device, autocast)
+            for i in rows:
+                for key in out:
+                    out[key][i] = torch.zeros(0)
+            continue
+        s_index = torch.cat([torch.arange(offsets[i], offsets[i] + r_len[i]) for i in rows])
+        sig = teacher_signals(
+            module,
+            [teacher_seqs[i] for i in rows],
+            lens,
+            student_hidden.index_select(0, s_index.to(student_hidden.device)),
+            torch.cat([responses[i].long() for i in rows]).to(device),
+            options,
+            remove_padding,
+            device,
+            autocast,
+        )
+        for key in out:
+            values = getattr(sig, key)[0].float().cpu()
+            for i, piece in zip(rows, values.split(lens.tolist()), strict=True):
+                out[key][i] = piece.clone()
+    return out

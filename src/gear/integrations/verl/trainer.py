@@ -7,11 +7,14 @@ are unchanged) with four small, documented overrides:
 
 - ``_init_tokenizer``: also keeps the model's ``model_type`` (selects verl's prompt renderer).
 - ``_init_resource_pool_mgr``: the actor role runs `GearActorRolloutRefWorker` instead of verl's
-  `ActorRolloutRefWorker` (one extra method, ``compute_gear_signals``).
-- ``_compute_old_log_prob``: after verl's pass, builds each row's teacher prompt (prompt + hint
-  with the ground truth, same renderer, same tools) and runs the teacher pass on the actor
-  workers; the signals land in the batch as ``gear_kl``, ``gear_entropy``,
-  ``gear_student_logprobs``, ``gear_teacher_logprobs``.
+  `ActorRolloutRefWorker` (its ``compute_log_prob`` can run the teacher pass, plus
+  ``compute_gear_signals``).
+- ``_compute_old_log_prob``: builds each row's teacher prompt (prompt + hint with the ground
+  truth, same renderer, same tools), then runs verl's pass with ``gear_signals=True``: the actor
+  workers capture the final hidden states of verl's own student forwards and run one teacher
+  forward per micro-batch (rollout correction's bypass mode, where verl runs no forward:
+  ``compute_gear_signals``, one student forward of GEAR's). The signals land in the batch as
+  ``gear_kl``, ``gear_entropy``, ``gear_student_logprobs``, ``gear_teacher_logprobs``.
 - ``_compute_advantage``: opens a `gear_batch` context with those signals (padded exactly like
   the batch verl builds) around verl's own ``_compute_advantage``, whose estimator call then finds
   them; logs the spec §5 statistics and, when due, writes a credit record.
@@ -43,10 +46,19 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from gear.integrations.verl.config import TRAINER_MODE, validate_verl_config
 from gear.integrations.verl.estimators import SIGNAL_FIELDS, GearBatch, gear_batch
 from gear.integrations.verl.teacher_inputs import TOOL_AGENT, as_messages, build_teacher_prompts
-from gear.integrations.verl.teacher_pass import _rows, nested
+from gear.integrations.verl.teacher_pass import FUSED_KEY, _rows, nested
 
 logger = logging.getLogger(__name__)
 TEACHER_PROMPTS_FIELD = "gear_teacher_prompts"
+#: what GEAR's own student + teacher pass reads (verl's bypass mode)
+GEAR_INPUT_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "loss_mask",
+    "prompts",
+    "responses",
+    TEACHER_PROMPTS_FIELD,
+)
 TRAINER_MARK = "__gear_trainer__"
 
 
@@ -124,9 +136,36 @@ class GearPPOTrainer(PPOTrainerSync):
     # --------------------------------------------------------------------- teacher pass
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        batch = super()._compute_old_log_prob(batch, metrics)
-        if self.gear_settings.needs_teacher:
-            batch = self._compute_gear_signals(batch, metrics)
+        if not self.gear_settings.needs_teacher:
+            return super()._compute_old_log_prob(batch, metrics)
+        options = self._put_teacher_prompts(batch, metrics)
+        t0 = time.perf_counter()
+        rollout_corr = self.config.algorithm.get("rollout_correction", None)
+        if rollout_corr and rollout_corr.get("bypass_mode", False):
+            # verl runs no old-log-prob forward: GEAR runs one student forward of its own
+            batch = super()._compute_old_log_prob(batch, metrics)
+            meta = dataclasses.replace(
+                batch,
+                fields=list(GEAR_INPUT_FIELDS),
+                extra_info={**(batch.extra_info or {}), **options},
+            )
+            self.actor_rollout_wg.compute_gear_signals(meta)
+            metrics["timing_s/gear_teacher_pass"] = time.perf_counter() - t0
+        else:
+            # verl's old-log-prob forwards are the student's: the worker captures their final
+            # hidden states and runs the teacher forward micro-batch by micro-batch
+            batch.extra_info.update({**options, FUSED_KEY: True})
+            try:
+                out = super()._compute_old_log_prob(batch, metrics)
+            finally:
+                for key in (*options, FUSED_KEY):  # not for verl's later passes (ref log-probs)
+                    batch.extra_info.pop(key, None)
+            if out is not batch and getattr(out, "extra_info", None):
+                for key in (*options, FUSED_KEY):
+                    out.extra_info.pop(key, None)
+            batch = out
+            # one pass: verl's old log-probs with GEAR's teacher forwards interleaved
+            metrics["timing_s/gear_old_log_prob_and_teacher_pass"] = time.perf_counter() - t0
         return batch
 
     def _gear_renderer(self) -> Any:
@@ -211,8 +250,9 @@ class GearPPOTrainer(PPOTrainerSync):
                 f"fields present: {present}"
             ) from e
 
-    def _compute_gear_signals(self, batch: Any, metrics: dict) -> Any:
-        """Build teacher prompts (here) and run the student/teacher forwards (on the workers)."""
+    def _put_teacher_prompts(self, batch: Any, metrics: dict) -> dict[str, Any]:
+        """Build each row's teacher prompt (here, in the task runner), put it into the batch as
+        ``gear_teacher_prompts``, and return the worker's teacher-pass options."""
         g = self.gear_settings.gear
         t0 = time.perf_counter()
         data = self._fetch(batch, self._gear_row_fields())
@@ -238,32 +278,22 @@ class GearPPOTrainer(PPOTrainerSync):
             partition_id=batch.partition_id,
             fields=TensorDict({TEACHER_PROMPTS_FIELD: teacher}, batch_size=[len(batch.keys)]),
         )
-        t1 = time.perf_counter()
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        meta = dataclasses.replace(
-            batch,
-            fields=["prompts", "responses", TEACHER_PROMPTS_FIELD],
-            extra_info={
-                **(batch.extra_info or {}),
-                "gear_temperature": float(self.config.actor_rollout_ref.rollout.temperature),
-                "gear_estimator": g.kl_estimator,
-                "gear_topk": g.kl_topk,
-                "gear_chunk_size": g.signal_chunk_size,
-                "gear_micro_batch_size": g.teacher_micro_batch_size_per_gpu,
-                "gear_pad_token_id": int(pad),
-            },
-        )
-        self.actor_rollout_wg.compute_gear_signals(meta)
-        t2 = time.perf_counter()
         metrics.update(
             {
                 "gear/teacher_prompts_truncated": float(built.truncated),
                 "gear/rows_without_ground_truth": float(built.without_ground_truth),
-                "timing_s/gear_teacher_prompts": t1 - t0,
-                "timing_s/gear_teacher_pass": t2 - t1,
+                "timing_s/gear_teacher_prompts": time.perf_counter() - t0,
             }
         )
-        return batch
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return {
+            "gear_temperature": float(self.config.actor_rollout_ref.rollout.temperature),
+            "gear_estimator": g.kl_estimator,
+            "gear_topk": g.kl_topk,
+            "gear_chunk_size": g.signal_chunk_size,
+            "gear_micro_batch_size": g.teacher_micro_batch_size_per_gpu,
+            "gear_pad_token_id": int(pad),
+        }
 
     # --------------------------------------------------------------------- advantages
 

@@ -1,31 +1,47 @@
-"""GEAR's actor worker: verl's `ActorRolloutRefWorker` plus one registered method,
-``compute_gear_signals``, that runs the teacher pass inside the actor process (where the FSDP
-shards live) and returns the per-token signals.
+"""GEAR's actor worker: verl's `ActorRolloutRefWorker` with the teacher pass inside the actor
+process (where the FSDP shards live).
 
-Called by GEAR's trainer with a TransferQueue batch handle whose rows hold ``prompts``,
-``responses`` and ``gear_teacher_prompts`` (jagged int64) and whose extra_info holds the options
-(``gear_temperature``, ``gear_estimator``, ...). verl's tq bridge fetches this rank's share of
-the rows, and writes the returned fields (``gear_kl``, ``gear_entropy``,
-``gear_student_logprobs``, ``gear_teacher_logprobs``, jagged float32 over each response) back to
-the batch.
+Two entry points, both running verl's own micro-batching (`TrainingWorker.infer_batch`:
+``use_dynamic_bsz`` with ``log_prob_max_token_len_per_gpu``, else
+``log_prob_micro_batch_size_per_gpu``; ``use_remove_padding``; the same number of micro-batches
+on every data-parallel rank) with GEAR's step hooked into each micro-batch:
 
-Supported: FSDP / FSDP2 actors, text-only models, no Ulysses sequence parallelism (checked by
-`gear.integrations.verl.config.validate_verl_config`). The forwards call the (FSDP-wrapped)
-Hugging Face module with ``logits_to_keep`` so only the response positions' logits are formed.
+- ``compute_log_prob`` (verl's old-log-prob pass): when the batch carries ``gear_signals=True``
+  (GEAR's trainer sets it), each micro-batch's student forward is verl's own; a hook on the
+  model's backbone keeps only the final hidden states that predict response tokens, and one
+  teacher forward (teacher prompt ⊕ the same response ids) follows. No second student forward.
+- ``compute_gear_signals``: where verl runs no old-log-prob forward (rollout correction's bypass
+  mode), one student forward of ours per micro-batch, then the teacher forward.
+
+Either way the signals come from final hidden states and the LM head, a chunk of logits at a time
+(`gear.integrations.verl.teacher_pass`), and land in the batch as ``gear_kl``, ``gear_entropy``,
+``gear_student_logprobs``, ``gear_teacher_logprobs`` (jagged float32 over each response).
+
+Supported: FSDP / FSDP2 actors, text-only models. Ulysses sequence parallelism is rejected with
+an error (`validate_verl_config` before Ray starts; here again for a worker configured otherwise):
+its forwards hold a shard of each sequence's hidden states.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
-from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.workers.engine_workers import ActorRolloutRefWorker, _with_routing_replay_flag
 
-from gear.integrations.verl.teacher_pass import TeacherPassOptions, nested, teacher_signals
+from gear.integrations.verl.estimators import SIGNAL_FIELDS
+from gear.integrations.verl.teacher_pass import (
+    FUSED_KEY,
+    TeacherPassOptions,
+    _rows,
+    micro_batch_signals,
+    nested,
+)
 
+#: batch key (non-tensor) -> TeacherPassOptions field
 OPTION_KEYS = {
     "temperature": "gear_temperature",
     "estimator": "gear_estimator",
@@ -34,7 +50,7 @@ OPTION_KEYS = {
     "micro_batch_size": "gear_micro_batch_size",
     "pad_token_id": "gear_pad_token_id",
 }
-INPUT_FIELDS = ("prompts", "responses", "gear_teacher_prompts")
+INPUT_FIELDS = ("input_ids", "prompts", "responses", "gear_teacher_prompts")
 
 
 def _get(data: Any, key: str, default: Any = None) -> Any:
@@ -43,7 +59,7 @@ def _get(data: Any, key: str, default: Any = None) -> Any:
     return tu.get(data, key, default)
 
 
-def options_from(data: Any) -> TeacherPassOptions:
+def options_from(data: Any, max_token_len: int | None = None) -> TeacherPassOptions:
     """The teacher-pass options carried in the batch's non-tensor data."""
     defaults = TeacherPassOptions()
     values = {name: _get(data, key, getattr(defaults, name)) for name, key in OPTION_KEYS.items()}
@@ -54,90 +70,159 @@ def options_from(data: Any) -> TeacherPassOptions:
         chunk_size=int(values["chunk_size"]),
         micro_batch_size=int(values["micro_batch_size"]),
         pad_token_id=int(values["pad_token_id"]),
+        max_token_len=max_token_len,
     )
 
 
-def engine_forward(engine: Any, device: str | torch.device):
-    """forward(ids, mask, pos, logits_to_keep) -> logits through the engine's module."""
-    module = engine.module
-    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
-    device_type = torch.device(device).type
-
-    def forward(
-        input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, logits_to_keep: int
-    ) -> Tensor:
-        ctx = (
-            contextlib.nullcontext()
-            if device_type == "cpu" or autocast_dtype == torch.float32
-            else torch.autocast(device_type=device_type, dtype=autocast_dtype)
-        )
-        with ctx:
-            out = module(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=logits_to_keep,
-            )
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        if hasattr(logits, "full_tensor"):  # a vocabulary-sharded DTensor (tensor parallel)
-            logits = logits.full_tensor()
-        return logits
-
-    return forward
-
-
-def compute_gear_signals_on_engine(
-    engine: Any, data: Any, device: str | torch.device | None = None
-) -> Any:
-    """The body of ``compute_gear_signals`` for one rank; returns a TensorDict or None."""
-    from tensordict import TensorDict
-
-    if device is None:
-        from verl.utils.device import get_device_name
-
-        device = get_device_name()
-    options = options_from(data)
+def _check_inputs(data: Any) -> None:
     missing = [k for k in INPUT_FIELDS if k not in data]
     if missing:
         raise KeyError(
-            f"compute_gear_signals: the batch lacks {missing}; fields present: {sorted(data.keys())}"
+            f"GEAR teacher pass: the batch lacks {missing}; fields present: {sorted(data.keys())}"
         )
-    n_rows = data.batch_size[0]
-    n_micro = -(-n_rows // options.micro_batch_size)
+
+
+def max_over_ranks(n: int, group: Any, device: Any) -> int:
+    """The largest n over the data-parallel group (n itself outside torch.distributed)."""
+    if group is None or not torch.distributed.is_initialized():
+        return n
+    count = torch.tensor([n], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(count.item())
+
+
+@contextlib.contextmanager
+def gear_micro_batches(
+    engine: Any, options: TeacherPassOptions, student_from_verl: bool
+) -> Iterator[None]:
+    """While open, each micro-batch step of verl's `engine` (``forward_step``) also computes
+    GEAR's signals for its rows and adds them to the step's ``model_output`` (verl then
+    concatenates the micro-batches and undoes dynamic batching's reordering, as for log-probs).
+
+    student_from_verl: run verl's own forward (old log-probs) and capture its final hidden
+        states; else one student forward of ours (``logits_to_keep=1``) replaces verl's step.
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+
+    from gear.integrations.verl.teacher_pass import capture_rows, model_inputs, response_index
+
+    if getattr(engine, "use_ulysses_sp", False):
+        raise NotImplementedError(
+            "GEAR's verl teacher pass does not support Ulysses sequence parallelism "
+            "(ulysses_sequence_parallel_size > 1): set it to 1"
+        )
+    module = engine.module
+    original = engine.forward_step
     group = engine.get_data_parallel_group() if hasattr(engine, "get_data_parallel_group") else None
-    if (
-        group is not None
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
-        # FSDP forwards are collective: every rank runs as many forwards as the busiest one.
-        count = torch.tensor([n_micro], device=device)
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
-        n_micro = int(count.item())
-        if n_rows == 0 and n_micro > 0:
-            raise RuntimeError("compute_gear_signals: a data-parallel rank received no rows")
-    with engine.eval_mode():
-        rows = teacher_signals(
-            engine_forward(engine, device),
-            data["prompts"],
-            data["gear_teacher_prompts"],
-            data["responses"],
-            options,
-            n_micro_batches=n_micro,
-            device=device,
+    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+
+    def autocast() -> contextlib.AbstractContextManager:
+        device_type = torch.device(get_device_name()).type
+        if dtype == torch.float32 or device_type == "cpu":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=dtype)
+
+    def sync(n: int) -> int:
+        return max_over_ranks(n, group, get_device_id())
+
+    def forward_step(micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        if not forward_only:
+            raise RuntimeError("GEAR's teacher pass runs in forward-only (inference) passes")
+        remove_padding = bool(
+            tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         )
-    if hasattr(engine, "is_mp_src_rank_with_outputs") and not engine.is_mp_src_rank_with_outputs():
+        ids = micro_batch["input_ids"]
+        seqs, responses = _rows(ids), _rows(micro_batch["responses"])
+        teacher_prompts = _rows(micro_batch["gear_teacher_prompts"])
+        r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+        prompts = [s[: s.numel() - r.numel()] for s, r in zip(seqs, responses, strict=True)]
+        if student_from_verl:
+            # verl packs (use_remove_padding) or right-pads the rows exactly like model_inputs
+            layout = model_inputs(seqs, remove_padding, 0) if seqs else None
+            index = (
+                response_index(layout.starts, layout.lengths, r_len)
+                if layout is not None
+                else torch.zeros(0, dtype=torch.long)
+            )
+            with capture_rows(module, index) as student:
+                loss, output = original(micro_batch, loss_function, forward_only)
+            if len(student) != 1:
+                raise RuntimeError(
+                    f"GEAR teacher pass: expected one backbone forward per micro-batch in verl's "
+                    f"step, saw {len(student)}"
+                )
+            hidden = student[0]
+        else:
+            hidden = None
+            loss = torch.tensor(1.0)
+            output = {"model_output": {}, "loss": 1.0, "metrics": {}}
+        signals = micro_batch_signals(
+            module,
+            hidden,
+            prompts,
+            teacher_prompts,
+            responses,
+            options,
+            remove_padding,
+            device=get_device_id(),
+            autocast=autocast,
+            sync=sync,
+        )
+        if responses:
+            for name, key in SIGNAL_FIELDS.items():
+                output["model_output"][key] = nested(signals[name])
+        return loss, output
+
+    engine.forward_step = forward_step  # an instance attribute shadows the class's method
+    try:
+        yield
+    finally:
+        del engine.forward_step
+
+
+def gear_infer(training_worker: Any, data: Any, student_from_verl: bool) -> Any:
+    """verl's `TrainingWorker.infer_batch` with GEAR's step in every micro-batch."""
+    _check_inputs(data)
+    engine = training_worker.engine
+    options = options_from(data, _max_tokens_of(training_worker, data))
+    with gear_micro_batches(engine, options, student_from_verl):
+        return training_worker.infer_batch(data)
+
+
+def _max_tokens_of(training_worker: Any, data: Any) -> int | None:
+    """verl's per-forward token budget for this inference pass (None without dynamic bsz)."""
+    cfg = training_worker.engine_config
+    dynamic = _get(data, "use_dynamic_bsz", cfg.use_dynamic_bsz)
+    if not dynamic:
         return None
-    return TensorDict({k: nested(v) for k, v in rows.values.items()}, batch_size=[n_rows])
+    budget = _get(data, "max_token_len_per_gpu", cfg.infer_max_token_len_per_gpu)
+    return int(budget) if budget is not None else None
 
 
 class GearActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's hybrid actor/rollout/ref worker with GEAR's teacher pass."""
+    """verl's hybrid actor/rollout/ref worker with GEAR's teacher pass (see the module doc)."""
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    @_with_routing_replay_flag(enabled=True)
+    def compute_log_prob(self, data: Any) -> Any:
+        """verl's old-log-prob pass; with ``gear_signals=True`` also GEAR's signals, from the
+        final hidden states of the very same student forwards."""
+        if bool(_get(data, FUSED_KEY, False)):
+            output = gear_infer(self.actor, data, student_from_verl=True)
+        else:
+            output = self.actor.infer_batch(data)
+        return output.cpu() if output is not None else None
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_gear_signals(self, data: Any) -> Any:
+        """GEAR's signals with one student forward of ours (verl ran no old-log-prob pass)."""
+        from verl.utils import tensordict_utils as tu
+
         if self.actor is None:
             raise RuntimeError("compute_gear_signals: this worker has no actor model")
-        output = compute_gear_signals_on_engine(self.actor.engine, data)
-        return output.cpu() if output is not None else None
+        tu.assign_non_tensor(data, compute_loss=False, calculate_entropy=False)
+        output = gear_infer(self.actor, data, student_from_verl=False)
+        if output is None:
+            return None
+        return output.select(*SIGNAL_FIELDS.values()).cpu()

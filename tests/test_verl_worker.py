@@ -1,0 +1,203 @@
+"""GEAR's verl teacher pass from final hidden states, on CPU, against a naive full-logits oracle.
+
+Without verl: `micro_batch_signals` (packed and right-padded layouts, token-budget groups, dummy
+forwards that keep ranks in step, an empty micro-batch). With verl: the real
+`GearActorRolloutRefWorker.compute_log_prob` (verl's old-log-prob pass with the teacher pass in
+each micro-batch) and ``compute_gear_signals`` (GEAR's own student forward) over verl's own
+`TrainingWorker` / `FSDPEngineWithLMHead` inference path (`_verl_helpers`), with
+``use_remove_padding`` and ``use_dynamic_bsz`` on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _verl_helpers import count_forwards, gear_worker, verl_batch, verl_on_cpu
+from gear.credit.signals import signals_from_logits
+from gear.integrations.verl.estimators import SIGNAL_FIELDS
+from gear.integrations.verl.teacher_pass import TeacherPassOptions, groups, micro_batch_signals
+
+V = 61
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def rows(seed, n=5):
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo, hi):
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        return torch.randint(2, V, (k,), generator=g).tolist()
+
+    prompts = [ids(3, 9) for _ in range(n)]
+    teachers = [p + ids(2, 6) for p in prompts]  # the hint makes the teacher prompt longer
+    responses = [ids(1, 8) for _ in range(n)]
+    return prompts, teachers, responses
+
+
+def oracle(model, prompt, teacher_prompt, response, temperature):
+    """Naive: each sequence alone, full (1, L, V) logits, sliced at the response positions."""
+
+    def logits(p):
+        ids = torch.tensor([list(p) + list(response)])
+        return model(input_ids=ids).logits[:, len(p) - 1 : len(p) - 1 + len(response)]
+
+    with torch.no_grad():
+        return signals_from_logits(
+            logits(prompt),
+            logits(teacher_prompt),
+            torch.tensor([list(response)]),
+            temperature=temperature,
+        )
+
+
+def assert_oracle(model, got, prompts, teachers, responses, temperature):
+    """got: field or signal name -> per-row (R_i,) tensors."""
+    for i in range(len(prompts)):
+        ref = oracle(model, prompts[i], teachers[i], responses[i], temperature)
+        for name, field in SIGNAL_FIELDS.items():
+            value = got[field][i] if field in got else got[name][i]
+            torch.testing.assert_close(value, getattr(ref, name)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_groups_honour_rows_and_tokens():
+    assert groups([5, 5, 5, 5], 2, None) == [[0, 1], [2, 3]]
+    assert groups([5, 5, 5, 5], 4, 12) == [[0, 1], [2, 3]]
+    assert groups([20, 3, 3], 4, 12) == [[0], [1, 2]]  # too long alone: its own forward
+    assert groups([], 4, 12) == []
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_micro_batch_signals_equal_full_logits(model, remove_padding):
+    prompts, teachers, responses = rows(1)
+    t = [torch.tensor(x) for x in teachers]
+    p, r = [torch.tensor(x) for x in prompts], [torch.tensor(x) for x in responses]
+    opts = TeacherPassOptions(temperature=0.7, chunk_size=3, micro_batch_size=2, max_token_len=30)
+    parts = groups([len(a) + len(b) for a, b in zip(teachers, responses, strict=True)], 2, 30)
+    with count_forwards(model) as calls:
+        out = micro_batch_signals(model, None, p, t, r, opts, remove_padding, sync=lambda n: n + 2)
+    # one student forward, one per teacher group, two dummies asked for by the "other ranks"
+    assert calls[0] == 1 + len(parts) + 2 and len(parts) >= 3
+    assert_oracle(model, out, prompts, teachers, responses, 0.7)
+    assert float(torch.cat(out["kl"]).max()) > 1e-3
+    same = micro_batch_signals(model, None, p, p, r, opts, remove_padding)  # teacher = student
+    assert float(torch.cat(same["kl"]).abs().max()) < 1e-5
+
+
+def test_empty_micro_batch_still_runs_the_forwards(model):
+    with count_forwards(model) as calls:
+        out = micro_batch_signals(
+            model, None, [], [], [], TeacherPassOptions(), True, sync=lambda n: 2
+        )
+    assert calls[0] == 1 + 2 and out["kl"] == []  # student dummy + two teacher dummies
+
+
+def test_micro_batch_signals_errors(model):
+    p, r = [torch.tensor([3, 4])], [torch.tensor([5, 6, 7])]
+    with pytest.raises(ValueError, match="student_hidden: expected 3 rows"):
+        micro_batch_signals(model, torch.zeros(2, 32), p, p, r, TeacherPassOptions(), True)
+    with pytest.raises(ValueError, match="prompt of at least one token"):
+        micro_batch_signals(model, None, [torch.tensor([])], p, r, TeacherPassOptions(), True)
+
+
+# ---------------------------------------------------------------- the real worker over verl
+
+
+def batch(prompts, teachers, responses, remove_padding, dynamic, fused, mbs=1):
+    return verl_batch(
+        prompts,
+        responses,
+        teachers,
+        use_remove_padding=remove_padding,
+        use_dynamic_bsz=dynamic,
+        max_token_len_per_gpu=24,
+        micro_batch_size_per_gpu=mbs,
+        calculate_entropy=True,
+        compute_loss=False,
+        temperature=0.7,
+        gear_temperature=0.7,
+        gear_chunk_size=3,
+        gear_micro_batch_size=2,
+        **({"gear_signals": True} if fused else {}),
+    )
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_worker_signals_equal_full_logits(model, remove_padding, dynamic):
+    pytest.importorskip("verl")
+    prompts, teachers, responses = rows(2, n=5)
+    with verl_on_cpu():
+        worker = gear_worker(model, remove_padding, dynamic, max_token_len=24, mbs=1)
+        with count_forwards(model) as fused_forwards:
+            fused = worker.compute_log_prob(
+                batch(prompts, teachers, responses, remove_padding, dynamic, fused=True)
+            )
+        with count_forwards(model) as own_forwards:
+            own = worker.compute_gear_signals(
+                batch(prompts, teachers, responses, remove_padding, dynamic, fused=False)
+            )
+    assert sorted(own.keys()) == sorted(SIGNAL_FIELDS.values())
+    assert_oracle(model, fused, prompts, teachers, responses, 0.7)
+    assert_oracle(model, own, prompts, teachers, responses, 0.7)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        # verl's own old log-probs (its full logits) = GEAR's student log-probs (hidden states)
+        verl_lp = fused["log_probs"][i][len(p) - 1 : len(p) - 1 + len(r)]
+        torch.testing.assert_close(fused["gear_student_logprobs"][i], verl_lp, rtol=1e-4, atol=1e-5)
+    # the same micro-batches; the fused pass reuses verl's student forward instead of its own
+    assert fused_forwards == own_forwards
+    if not dynamic:  # verl: one row per micro-batch -> its forward + one teacher forward
+        assert fused_forwards[0] == 2 * len(prompts)
+
+
+def test_worker_keeps_ranks_in_step_and_plain_log_prob(model, monkeypatch):
+    pytest.importorskip("verl")
+    from gear.integrations.verl import worker as worker_mod
+
+    prompts, teachers, responses = rows(3, n=4)
+    monkeypatch.setattr(worker_mod, "max_over_ranks", lambda n, group, device: n + 1)
+    with verl_on_cpu():
+        worker = gear_worker(model, True, False)
+        td = batch(prompts, teachers, responses, True, False, fused=True, mbs=2)
+        with count_forwards(model) as calls:
+            out = worker.compute_log_prob(td)
+        # 2 verl micro-batches x (verl's forward + 1 teacher forward + 1 dummy for a busier rank)
+        assert calls[0] == 2 * 3
+        assert_oracle(model, out, prompts, teachers, responses, 0.7)
+        with count_forwards(model) as calls:
+            plain = worker.compute_log_prob(
+                batch(prompts, teachers, responses, True, False, fused=False)
+            )
+        assert calls[0] == 4 and "gear_kl" not in plain  # verl's pass alone
+
+
+def test_worker_errors(model):
+    pytest.importorskip("verl")
+    prompts, teachers, responses = rows(4, n=2)
+    with verl_on_cpu():
+        worker = gear_worker(model, True, False, mbs=1)
+        td = batch(prompts, teachers, responses, True, False, fused=True)
+        del td["gear_teacher_prompts"]
+        with pytest.raises(KeyError, match="gear_teacher_prompts"):
+            worker.compute_log_prob(td)
+        worker.actor.engine.use_ulysses_sp = True
+        with pytest.raises(NotImplementedError, match="Ulysses"):
+            worker.compute_log_prob(batch(prompts, teachers, responses, True, False, fused=True))
