@@ -1,0 +1,93 @@
+"""benchmarks/learning_study.py: the aggregation (bootstrap, paired differences) on synthetic runs.
+Training itself is exercised by the study; these tests need no model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import learning_study as ls
+
+
+def test_bootstrap_mean_is_exact_without_spread_and_brackets_the_mean_with_it():
+    rng = np.random.default_rng(0)
+    flat = np.full((3, 50), 0.4)
+    mean, ci = ls.bootstrap_mean(flat, rng, 200)
+    assert mean == pytest.approx(0.4) and ci == pytest.approx([0.4, 0.4])
+    x = (rng.random((5, 300)) < 0.3).astype(float)
+    mean, (lo, hi) = ls.bootstrap_mean(x, rng, 500)
+    assert mean == pytest.approx(x.mean())
+    assert lo < mean < hi and hi - lo < 0.2
+
+
+def _write_study(root: Path, n: int = 40) -> tuple[list[int], dict]:
+    rng = np.random.default_rng(1)
+    before = (rng.random(n) < 0.2).astype(int).tolist()
+    root.mkdir()
+    (root / "before.json").write_text(
+        json.dumps(
+            {
+                "task": "arithmetic",
+                "task_options": {"mix": "2digit"},
+                "n": n,
+                "acc": float(np.mean(before)),
+                "correct": before,
+            }
+        )
+    )
+    runs = {}
+    for seed in (0, 1, 2):
+        grpo = (rng.random(n) < 0.3).astype(int)
+        gear = grpo.copy()
+        gear[: seed + 1] = 1 - gear[: seed + 1]  # a known per-seed difference
+        gear[10 : 10 + seed] = 1
+        for method, after in (("grpo", grpo), ("gear", gear)):
+            mid = (rng.random(n) < 0.25).astype(int)
+            evals = [
+                {"step": 2, "acc": float(mid.mean()), "correct": mid.tolist()},
+                {"step": 4, "acc": float(after.mean()), "correct": after.tolist()},
+            ]
+            data = {
+                "method": method,
+                "seed": seed,
+                "model": "smollm2",
+                "steps": 4,
+                "evals": evals,
+                "metrics": [{"step": 1, "seconds": 3.0, "reward": 0.5}],
+                "env": {"cpu_capability": "AVX2"},
+            }
+            (root / f"{method}-seed{seed}.json").write_text(json.dumps(data))
+            runs[(method, seed)] = after
+    return before, runs
+
+
+def test_aggregate_pairs_methods_per_seed_and_problem(tmp_path):
+    before, runs = _write_study(tmp_path / "study")
+    args = argparse.Namespace(
+        results=tmp_path / "study", methods=["grpo", "gear"], seeds=[0, 1, 2, 3], reps=300
+    )
+    res = ls.aggregate(args)
+    assert res["runs_finished"] == 6 and res["runs_planned"] == 8 and not res["complete"]
+    assert [(r["method"], r["seed"]) for r in res["runs"]][:2] == [("grpo", 0), ("gear", 0)]
+    run = res["runs"][1]
+    assert run["curve"][0] == [0, pytest.approx(np.mean(before))]
+    assert run["curve"][-1] == [4, pytest.approx(runs[("gear", 0)].mean())]
+    paired = res["paired"]["gear - grpo"]["after"]
+    expected = [float((runs[("gear", s)] - runs[("grpo", s)]).mean()) for s in (0, 1, 2)]
+    assert paired["per_seed"] == pytest.approx(expected)
+    assert paired["diff"] == pytest.approx(np.mean(expected))
+    assert paired["ci95"][0] <= paired["diff"] <= paired["ci95"][1]
+    gear_after = res["methods"]["gear"]["after"]
+    assert gear_after["per_seed"] == pytest.approx([runs[("gear", s)].mean() for s in (0, 1, 2)])
+    assert gear_after["gain"] == pytest.approx(
+        np.mean([runs[("gear", s)].mean() for s in (0, 1, 2)]) - np.mean(before)
+    )
+    # a trial study writes next to its runs, never over the committed files
+    assert (tmp_path / "study" / "aggregate.json").is_file()
+    assert "**partial**" in (tmp_path / "study" / "aggregate.md").read_text()
