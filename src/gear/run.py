@@ -2,30 +2,47 @@
 
 A run directory holds everything about one run::
 
-    RUN_DIR/config.yaml        the resolved configuration (what was actually run)
+    RUN_DIR/config.yaml        the resolved configuration (what was actually run), with the
+                               precision chosen for this machine under `precision:`
     RUN_DIR/metrics.jsonl      one JSON object per logging step (TRL's logs + eval/accuracy)
-    RUN_DIR/checkpoint-*/      TRL checkpoints (resume with `gear train --resume RUN_DIR`)
+    RUN_DIR/checkpoint-*/      TRL checkpoints (resume with `gear train --resume RUN_DIR`); each
+                               appears complete or not at all (written aside, then renamed)
     RUN_DIR/credit/            per-token credit records (gear.viz.record)
     RUN_DIR/plots/*.png        reward, accuracy, entropy, gear/* statistics, a trajectory
     RUN_DIR/summary.json|.md   held-out accuracy before and after training, wall time
 
 Configuration is a flat mapping: `RunConfig` fields plus any `GEARConfig` field (TRL's
-`GRPOConfig` fields and gear's `credit_*`, `teacher`, ... fields). YAML files in `configs/`
-give whole setups; command-line `--set key=value` overrides one key.
+`GRPOConfig` fields and gear's `credit_*`, `teacher`, ... fields). The recipes shipped in the
+package (`gear/configs/*.yaml`: `default`, `study`) give whole setups; command-line
+`--set key=value` overrides one key. Every value is checked against its field's type before
+anything is loaded or written.
+
+Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during training finish
+the current step, save a checkpoint and end the run with `RunStopped`; a second signal stops at
+once. `gear train --resume RUN_DIR` continues from the last complete checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import os
+import signal
 import time
+import types
+import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: ships in the wheel
+PRECISION_KEY = "precision"  # config.yaml's record of the precision chosen (not a config key)
 
 
 @dataclass
@@ -58,16 +75,45 @@ class RunConfig:
     trainer: dict[str, Any] = field(default_factory=dict, metadata={"help": "GEARConfig fields."})
 
 
+class RunStopped(Exception):
+    """A run ended by SIGTERM / SIGINT. `checkpoint`: the checkpoint saved on the way out (None
+    when the signal came before training or a second signal cut the save short)."""
+
+    def __init__(self, signum: int, run_dir: Path, checkpoint: Path | None = None) -> None:
+        self.signum, self.run_dir, self.checkpoint = signum, run_dir, checkpoint
+        name = signal.Signals(signum).name
+        if checkpoint is not None:
+            what = f"checkpoint saved: {checkpoint}"
+        else:
+            what = "no new checkpoint saved"
+        super().__init__(
+            f"stopped by {name}; {what}; continue with `gear train --resume {run_dir}`"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for "ended by signal N"
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def recipe_names() -> list[str]:
+    """Names of the recipes shipped in the package (`gear/configs/*.yaml`)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
 def config_path(name_or_path: str) -> Path:
-    """A config file: a path, or a name in configs/ (with or without .yaml)."""
+    """A config file: a path, or the name of a shipped recipe (with or without .yaml)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
     for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
         if candidate.is_file():
             return candidate
-    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
-    raise ValueError(f"config {name_or_path!r}: no such file, and not one of configs/: {names}")
+    raise ValueError(
+        f"config {name_or_path!r}: no such file, and not one of gear's recipes: {recipe_names()}"
+    )
 
 
 def parse_value(text: str) -> Any:
@@ -81,14 +127,121 @@ def parse_value(text: str) -> Any:
     return value
 
 
-def resolve_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Merge `configs/default.yaml` (or `config`) with `overrides` into a `RunConfig`.
+class _Mismatch(Exception):
+    pass
 
-    Keys are `RunConfig` fields or `GEARConfig` fields; anything else is an error that names
-    the key and the valid ones.
-    """
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if isinstance(hint, type):
+        return hint.__name__
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return str(hint).replace("typing.", "")
+
+
+def _coerce(value: Any, hint: Any, strict: bool) -> Any:
+    """`value` as an instance of `hint`, or _Mismatch. strict: no conversions (first pass)."""
+    if hint is Any or hint is typing.Any:
+        return value
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for passes in (True, False) if not strict else (True,):
+            for arg in args:
+                try:
+                    return _coerce(value, arg, passes)
+                except _Mismatch:
+                    continue
+        raise _Mismatch
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        raise _Mismatch
+    if origin in (list, tuple, set) or hint in (list, tuple, set):
+        if not isinstance(value, list | tuple):
+            raise _Mismatch
+        inner = args[0] if args and origin is not tuple else Any
+        return [_coerce(v, inner, strict) for v in value]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        inner = args[1] if len(args) == 2 else Any
+        return {k: _coerce(v, inner, strict) for k, v in value.items()}
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if not strict and isinstance(value, float) and value.is_integer():
+            return int(value)  # --set max_steps=1e3
+        raise _Mismatch
+    if hint is float:
+        if isinstance(value, float) or (
+            not strict and isinstance(value, int) and not isinstance(value, bool)
+        ):
+            return value  # an int is a valid float (PEP 484); kept as is, like YAML read it
+        raise _Mismatch
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if not strict and isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # YAML read `run_name=7` as a number
+        raise _Mismatch
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        if isinstance(value, hint):
+            return value
+        if value in {m.value for m in hint}:
+            return hint(value)
+        raise _Mismatch
+    if isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        raise _Mismatch
+    return value  # an annotation we cannot check (a TypeVar, a string): the owner checks it
+
+
+def check_value(owner: str, key: str, value: Any, hint: Any) -> Any:
+    """`value` checked (and, where lossless, converted: 1e3 -> 1000) against the type `hint`
+    of field `owner.key`; a ValueError naming the field, the value and the type otherwise."""
+    try:
+        return _coerce(value, hint, strict=False)
+    except _Mismatch:
+        raise ValueError(
+            f"config key {key!r} ({owner} field): got {value!r} ({type(value).__name__}), "
+            f"expected {_type_name(hint)}"
+        ) from None
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
+
+
+def trainer_field_types() -> dict[str, Any]:
+    """Type of every `GEARConfig` field; `bf16` also takes "auto" (resolved per machine)."""
     from gear.integrations.trl import GEARConfig
 
+    types_ = _field_types(GEARConfig)
+    types_["bf16"] = bool | typing.Literal["auto"] | None
+    return types_
+
+
+def resolve_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Merge the `default` recipe (or `config`) with `overrides` into a checked `RunConfig`.
+
+    Keys are `RunConfig` fields or `GEARConfig` fields; an unknown key, or a value that is not
+    of its field's type, is a ValueError naming the key, the value and what was expected.
+    """
     values: dict[str, Any] = {}
     for source in (config_path(config or "default"),):
         loaded = yaml.safe_load(source.read_text()) or {}
@@ -98,24 +251,42 @@ def resolve_config(config: str | None = None, overrides: dict[str, Any] | None =
             )
         values.update(loaded)
     values.update(overrides or {})
-    run_keys = {f.name for f in dataclasses.fields(RunConfig)} - {"trainer"}
-    trainer_keys = {f.name for f in dataclasses.fields(GEARConfig)}
+    run_types = _field_types(RunConfig)
+    run_types.pop("trainer")
+    trainer_types = trainer_field_types()
     run: dict[str, Any] = {}
-    trainer: dict[str, Any] = dict(values.pop("trainer", None) or {})
-    for key, value in values.items():
-        if key in run_keys:
-            run[key] = value
-        elif key in trainer_keys:
-            trainer[key] = value
+    trainer: dict[str, Any] = {}
+    nested = values.pop("trainer", None) or {}
+    if not isinstance(nested, dict):
+        raise ValueError(
+            f"config key 'trainer': got {nested!r}, expected a mapping of GEARConfig fields"
+        )
+    for key, value in [*nested.items(), *values.items()]:
+        if key in run_types:
+            run[key] = check_value("RunConfig", key, value, run_types[key])
+        elif key in trainer_types:
+            trainer[key] = check_value("GEARConfig", key, value, trainer_types[key])
         else:
+            close = difflib.get_close_matches(key, [*run_types, *trainer_types], n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ValueError(
-                f"unknown config key {key!r}; valid keys are RunConfig fields {sorted(run_keys)} "
-                f"or GEARConfig fields (see `gear train --help-config`)"
+                f"unknown config key {key!r}{hint}; valid keys are RunConfig fields "
+                f"{sorted(run_types)} or GEARConfig fields (TRL's GRPOConfig plus gear's "
+                f"credit_*, teacher, ...; `python -c 'from gear.integrations.trl import "
+                f"GEARConfig; help(GEARConfig)'`)"
             )
-    unknown = sorted(set(trainer) - trainer_keys)
-    if unknown:
-        raise ValueError(f"unknown trainer key(s) {unknown}; they must be GEARConfig fields")
     return RunConfig(**run, trainer=trainer)
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The flat config mapping of an existing run directory's config.yaml (for --resume)."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ValueError(f"--resume {run_dir}: no config.yaml there (not a gear run directory)")
+    values = yaml.safe_load(saved.read_text()) or {}
+    values.pop(PRECISION_KEY, None)
+    values.update(values.pop("trainer", None) or {})
+    return values
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -125,20 +296,33 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.task}-{tag}-seed{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def trainer_args(cfg: RunConfig, run_dir: Path, hint_kind: str = "auto") -> Any:
-    """The `GEARConfig` of a run: CPU-friendly defaults, the task's hint kind, then the config's
-    trainer fields."""
+def _on_cpu(cfg: RunConfig) -> bool:
     import torch
 
+    return bool(cfg.trainer.get("use_cpu", not torch.cuda.is_available()))
+
+
+def run_precision(cfg: RunConfig) -> Any:
+    """The `gear.precision.Precision` of a run: its `bf16` setting ("auto" by default) resolved
+    for this machine and device."""
+    from gear.precision import choose_precision
+
+    return choose_precision(cfg.trainer.get("bf16", "auto"), use_cpu=_on_cpu(cfg))
+
+
+def trainer_args(
+    cfg: RunConfig, run_dir: Path, hint_kind: str = "auto", precision: Any = None
+) -> Any:
+    """The `GEARConfig` of a run: CPU-friendly defaults, the task's hint kind, then the config's
+    trainer fields, with `bf16` resolved for this machine (`precision`, default `run_precision`)."""
     from gear.integrations.trl import GEARConfig
 
-    on_gpu = torch.cuda.is_available()
+    precision = precision or run_precision(cfg)
     base: dict[str, Any] = dict(
         output_dir=str(run_dir),
         seed=cfg.seed,
-        bf16=True,  # TRL's default; on this CPU (AVX512-BF16) a step is ~20% faster than fp32
-        gradient_checkpointing=False,
-        use_cpu=not on_gpu,
+        activation_checkpointing=False,  # TRL's default is on: slower, and not needed on CPU
+        use_cpu=_on_cpu(cfg),
         report_to="none",
         logging_steps=1,
         save_strategy="steps",
@@ -147,19 +331,36 @@ def trainer_args(cfg: RunConfig, run_dir: Path, hint_kind: str = "auto") -> Any:
         disable_tqdm=True,
         hint_kind=hint_kind,
     )
-    base.update(cfg.trainer)
+    trainer = dict(cfg.trainer)
+    if "gradient_checkpointing" in trainer:  # transformers' deprecated alias: one name, no warning
+        old = trainer.pop("gradient_checkpointing")
+        trainer.setdefault("activation_checkpointing", old)
+    base.update(trainer)
+    base["bf16"] = precision.bf16
     return GEARConfig(**base)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `path` so that a kill at any moment leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """summary.json and a short summary.md."""
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     before, after = summary.get("eval_before"), summary.get("eval_after")
     lines = [f"# Run summary: {run_dir.name}", ""]
     lines += [
         f"- task: `{summary.get('task')}`, method: `{summary.get('method')}`, "
         f"model: `{summary.get('model')}`, steps: {summary.get('steps')}"
     ]
+    if summary.get("precision"):
+        lines.append(f"- precision: {summary['precision']}")
     if summary.get("train_seconds") is not None:
         lines.append(f"- training wall time: {summary['train_seconds']:.0f} s")
     if before or after:
@@ -167,32 +368,126 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
         for name, ev in (("before", before), ("after", after)):
             if ev:
                 lines.append(f"| {name} | {ev['pass@1']:.3f} | {ev['n_problems']} |")
-    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    _write_atomically(run_dir / "summary.md", "\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------ stops
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def stop_signals(run_dir: Path) -> Iterator[Any]:
+    """SIGTERM / SIGINT handling for the duration of a run (main thread only).
+
+    Yields a `gear.run_callbacks.SignalStop`: while its `training` flag is set, the first signal
+    only asks the trainer to save and stop after the current step; otherwise (loading, the
+    evaluations), and for a second signal, `RunStopped` is raised at once.
+    """
+    from gear.run_callbacks import SignalStop
+
+    stop = SignalStop()
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.training and stop.signum is None:
+            stop.request(signum)
+            print(
+                f"gear: {signal.Signals(signum).name}: finishing this step, then saving a "
+                f"checkpoint (send it again to stop at once)",
+                flush=True,
+            )
+            return
+        raise RunStopped(signum, run_dir)
+
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signal handlers can only be set from the main thread
+        return
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def build_trainer(
+    cfg: RunConfig,
+    args: Any,
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    train_dataset: Any,
+    callbacks: list[Any],
+) -> Any:
+    """The run's GEARTrainer, with checkpoints that appear complete or not at all."""
+    from gear.integrations.trl import GEARTrainer
+    from gear.run_callbacks import atomic_checkpoints
+
+    trainer = GEARTrainer(
+        model=model,
+        reward_funcs=[task.reward],
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        **task.trainer_kwargs(),
+    )
+    atomic_checkpoints(trainer)
+    return trainer
 
 
 def train(
     cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, console: Any = None
 ) -> Path:
-    """Run one training job end to end; returns the run directory."""
+    """Run one training job end to end; returns the run directory.
+
+    Raises `RunStopped` when SIGTERM / SIGINT ended it (after saving a checkpoint when the
+    signal came during training).
+    """
+    run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
+    with stop_signals(run_dir) as stop:
+        return _train(cfg, run_dir, resume, console, stop)
+
+
+def _say(console: Any, message: str) -> None:
+    if console is not None:
+        console.print(message, highlight=False, soft_wrap=True)
+
+
+def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any) -> Path:
     import torch
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.integrations.trl import GEARTrainer
     from gear.models import load_model_and_tokenizer
-    from gear.run_callbacks import EvalCallback, MetricsFile, ProgressCallback, evaluate_now
+    from gear.run_callbacks import (
+        EvalCallback,
+        MetricsFile,
+        ProgressCallback,
+        evaluate_now,
+        last_checkpoint,
+        save_model_atomically,
+    )
     from gear.tasks import get_task
 
-    run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
     if resume and not run_dir.is_dir():
         raise ValueError(f"--resume: run directory {run_dir} does not exist")
     # validate everything that can be wrong before anything is written
     task = get_task(cfg.task, **cfg.task_options)
-    args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind)
+    precision = run_precision(cfg)
+    args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
+    _say(console, f"precision: {precision.name} ({precision.reason}; {precision.capability})")
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = dataclasses.asdict(cfg) | {"output_dir": str(run_dir)}
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    resolved["trainer"] = {**resolved["trainer"], "bf16": precision.bf16}
+    resolved[PRECISION_KEY] = precision.as_dict()
+    _write_atomically(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     tokenizer = task.prepare_tokenizer(tokenizer)
     train_ds = task.dataset("train", n=cfg.train_size, seed=cfg.seed)
 
@@ -205,6 +500,7 @@ def train(
         loss_mode=args.loss_mode,
         steps=args.max_steps,
         seed=cfg.seed,
+        precision=f"{precision.name} ({precision.capability})",
     )
     if cfg.eval_n and "eval_before" not in summary:
         summary["eval_before"] = evaluate_now(
@@ -212,45 +508,39 @@ def train(
         )
         write_summary(run_dir, summary)
 
-    callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console)]
+    callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console), stop]
     if cfg.eval_every and cfg.eval_n:
         callbacks.append(EvalCallback(task, cfg, tokenizer, console))
-    trainer = GEARTrainer(
-        model=model,
-        reward_funcs=[task.reward],
-        args=args,
-        train_dataset=train_ds,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        **task.trainer_kwargs(),
-    )
-    if console is not None:  # the progress bar and metrics.jsonl replace TRL's printed dicts
+    trainer = build_trainer(cfg, args, model, tokenizer, task, train_ds, callbacks)
+    if console is not None:  # the progress display and metrics.jsonl replace TRL's printed dicts
         trainer.remove_callback(PrinterCallback)
-    checkpoint = resume and any(run_dir.glob("checkpoint-*"))
+    checkpoint = last_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        _say(console, f"resuming from {checkpoint}")
     t0 = time.time()
+    stop.training = True
     try:
-        trainer.train(resume_from_checkpoint=True if checkpoint else None)
-    except KeyboardInterrupt:
-        trainer._save_checkpoint(trainer.model, trial=None)  # same checkpoint TRL writes on save
-        if console:
-            console.print(
-                f"[yellow]interrupted: checkpoint saved; continue with "
-                f"`gear train --resume {run_dir}`[/]"
-            )
-        raise
-    summary["train_seconds"] = summary.get("train_seconds", 0.0) + time.time() - t0
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    finally:
+        stop.training = False
+        summary["train_seconds"] = summary.get("train_seconds", 0.0) + time.time() - t0
+        write_summary(run_dir, summary)
+    if stop.signum is not None:
+        saved = run_dir / f"checkpoint-{trainer.state.global_step}"
+        raise RunStopped(stop.signum, run_dir, saved if saved.is_dir() else None)
     if cfg.eval_n:
         summary["eval_after"] = evaluate_now(
             trainer.model, tokenizer, task, cfg, console, "after training"
         )
     write_summary(run_dir, summary)
-    trainer.save_model(str(run_dir / "final"))
+    save_model_atomically(trainer, run_dir / "final")
     render_outputs(run_dir)
     return run_dir
 
 
 def render_outputs(run_dir: Path) -> list[Path]:
-    """Plots of metrics.jsonl and a trajectory of the first credit record, under RUN_DIR/plots."""
+    """Plots of metrics.jsonl, and the trajectory of the last credit record (the latest step's
+    last recorded row), under RUN_DIR/plots."""
     from gear.viz.plots import plot_metrics, plot_trajectory
     from gear.viz.record import read_credit_records
 
