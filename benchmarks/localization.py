@@ -198,12 +198,14 @@ def corrupt(
 
 
 def injected_cases(
-    n_gsm8k: int, n_arithmetic: int, seed: int = 0, per_problem: int = 3
+    n_gsm8k: int, n_arithmetic: int, seed: int = 0, per_problem: int = 5, variants: int = 2
 ) -> list[Case]:
     """Corrupted and clean cases from GSM8K train (short solutions) and multistep arithmetic.
 
-    Each problem yields one clean row and up to `per_problem` corrupted rows (one per result).
-    Sources alternate so that a partial run covers both.
+    Each problem yields one clean row and corrupted rows: GSM8K one per result (at most
+    `per_problem`), arithmetic `variants` different wrong numbers per result (the rows of one
+    problem share its prompt pass; the intervals resample problems, not rows). Sources
+    alternate so that a partial run covers both.
     """
     from gear.tasks.arithmetic import ArithmeticTask
     from gear.tasks.gsm8k import PROMPT as GSM8K_PROMPT
@@ -223,14 +225,24 @@ def injected_cases(
         if not spans:
             continue
         prompt = [{"role": "user", "content": GSM8K_PROMPT.format(question=row["question"])}]
-        gsm.append(_group("gsm8k", f"gsm8k-{i}", prompt, text, spans, rng, ("\n",), per_problem))
+        gsm.append(_group("gsm8k", f"gsm8k-{i}", prompt, text, spans, rng, ("\n",), per_problem, 1))
     arith: list[list[Case]] = []
     rows = ArithmeticTask(mix={"multistep": 1.0}).dataset("train", n=n_arithmetic, seed=seed)
     for j, row in enumerate(rows):
         text = row["ground_truth"]
         spans = arithmetic_results(text)
         arith.append(
-            _group("arithmetic", f"arith-{j}", row["prompt"], text, spans, rng, (", ", ". "), 9)
+            _group(
+                "arithmetic",
+                f"arith-{j}",
+                row["prompt"],
+                text,
+                spans,
+                rng,
+                (", ", ". "),
+                9,
+                variants,
+            )
         )
     out: list[Case] = []
     for k in range(max(len(gsm), len(arith))):
@@ -249,16 +261,25 @@ def _group(
     rng: random.Random,
     separators: tuple[str, ...],
     per_problem: int,
+    variants: int,
 ) -> list[Case]:
     cases = [Case(source, group, prompt, text, text)]
     for span in rng.sample(spans, min(per_problem, len(spans))):
-        bad, err, end, step, new = corrupt(text, span, rng, separators)
-        cases.append(
-            Case(
-                source, group, prompt, text, bad, err, end, step,
-                {"original": text[span[0] : span[1]], "new": new, "result_index": spans.index(span)},
-            )
-        )  # fmt: skip
+        seen: set[str] = set()
+        for _ in range(20 * variants):
+            if len(seen) == variants:
+                break
+            bad, err, end, step, new = corrupt(text, span, rng, separators)
+            if new in seen:
+                continue
+            seen.add(new)
+            cases.append(
+                Case(
+                    source, group, prompt, text, bad, err, end, step,
+                    {"original": text[span[0] : span[1]], "new": new,
+                     "result_index": spans.index(span)},
+                )
+            )  # fmt: skip
     return cases
 
 
@@ -336,17 +357,32 @@ def row_metrics(w: Tensor, error: int, step: tuple[int, int]) -> dict[str, float
 
 
 def bootstrap_ci(
-    values: Sequence[float], n_boot: int = 2000, seed: int = 0
+    values: Sequence[float],
+    groups: Sequence[str] | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
 ) -> tuple[float, list[float], int]:
-    """(mean, [2.5%, 97.5%] bootstrap interval, n) over the finite values."""
-    x = torch.tensor([v for v in values if math.isfinite(v)], dtype=torch.float64)
-    if x.numel() == 0:
+    """(mean, [2.5%, 97.5%] bootstrap interval, n) over the finite values.
+
+    With `groups`, whole groups are resampled (rows of one problem are not independent) and
+    each resample's mean is over all rows of the drawn groups.
+    """
+    groups = list(range(len(values))) if groups is None else list(groups)
+    keep = [(v, g) for v, g in zip(values, groups, strict=True) if math.isfinite(v)]
+    if not keep:
         return float("nan"), [float("nan"), float("nan")], 0
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, x.numel(), (n_boot, x.numel()), generator=g)
-    means = x[idx].mean(dim=1)
-    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return float(x.mean()), [lo, hi], int(x.numel())
+    index = {g: k for k, g in enumerate(dict.fromkeys(g for _, g in keep))}
+    sums = torch.zeros(len(index), dtype=torch.float64)
+    counts = torch.zeros(len(index), dtype=torch.float64)
+    for v, g in keep:
+        sums[index[g]] += v
+        counts[index[g]] += 1
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(index), (n_boot, len(index)), generator=gen)
+    means = sums[idx].sum(dim=1) / counts[idx].sum(dim=1)
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    lo, hi = torch.quantile(means, q).tolist()
+    return float(sums.sum() / counts.sum()), [lo, hi], len(keep)
 
 
 # --------------------------------------------------------------------------- model pass
@@ -481,29 +517,37 @@ def run_signals(args: argparse.Namespace) -> None:
     groups: dict[str, list[Case]] = {}
     for c in cases:
         groups.setdefault(c.group, []).append(c)
-    path = Path(args.cache) / "injected.pt"
+    cache = Path(args.cache)
+    path = cache / ("injected.reverse.pt" if args.reverse else "injected.pt")
     done = _load_cache(path)
-    todo = [g for g in groups if g not in done]
+
+    def elsewhere() -> set[str]:  # groups a second worker (--reverse) has finished
+        return {g for f in cache.glob("injected*.pt") if f != path for g in _load_cache(f)}
+
+    order = list(groups)[::-1] if args.reverse else list(groups)
     n_bad = sum(c.error_char is not None for c in cases)
-    print(f"{len(groups)} groups, {n_bad} corrupted + {len(groups)} clean rows; {len(todo)} to do")
+    print(f"{len(groups)} groups, {n_bad} corrupted + {len(groups)} clean rows", flush=True)
     model, tok = _load_model()
-    t0, last_save = time.time(), time.time()
-    for k, g in enumerate(todo):
+    t0, n = time.time(), 0
+    for g in order:
+        if g in done or g in elsewhere():
+            continue
         done[g] = group_signals(model, tok, groups[g])
-        if time.time() - last_save > 60 or k == len(todo) - 1:
-            _save_cache(path, done)
-            last_save = time.time()
-            print(f"{k + 1}/{len(todo)} groups, {time.time() - t0:.0f} s", flush=True)
+        _save_cache(path, done)
+        n += 1
+        print(f"{n} groups ({len(done)} in {path.name}), {time.time() - t0:.0f} s", flush=True)
 
 
 def run_natural(args: argparse.Namespace) -> None:
-    """Stage 1b: sample multistep-arithmetic completions, keep failed ones with a checkable
+    """Stage 1b: sample arithmetic (two-digit, multistep) completions, keep failed ones with a checkable
     wrong equation (and the correct ones as A > 0 rows), and compute their signals."""
     from gear.tasks.arithmetic import ArithmeticTask
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    task = ArithmeticTask(mix={"multistep": 1.0})
+    # two-digit problems fail ~97% of the time when sampled (BENCHMARKS.md) and state a checkable
+    # equation; multistep ones have two steps
+    task = ArithmeticTask(mix={"2digit": 0.5, "multistep": 0.5})
     rows = task.dataset("test", n=args.natural_prompts, seed=args.seed)
     model, tok = _load_model()
     path = Path(args.cache) / "natural.pt"
@@ -516,6 +560,7 @@ def run_natural(args: argparse.Namespace) -> None:
         p = torch.tensor([render(tok, row["prompt"])])
         gen = model.generate(
             p.expand(args.samples, -1),
+            attention_mask=torch.ones(args.samples, p.shape[1], dtype=torch.long),
             do_sample=True,
             temperature=1.0,
             top_p=1.0,
@@ -555,8 +600,23 @@ def run_natural(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- stage 2: metrics
 
 
+def sampled_token_signal(lp_s: Tensor, lp_t: Tensor, estimator: str) -> Tensor:
+    """A divergence of the sampled token only (the full KL at t ignores y_t: it depends on y<t).
+
+    "k1": log pi_S(y_t) - log pi_T(y_t), high where the teacher finds y_t less likely;
+    "k3": r - 1 - log r with r = pi_T(y_t) / pi_S(y_t) (large mostly where r >> 1).
+    """
+    if estimator == "k1":
+        return lp_s - lp_t
+    if estimator == "k3":
+        log_ratio = lp_t - lp_s
+        return log_ratio.exp() - 1 - log_ratio
+    raise ValueError(f"estimator: expected 'k1' or 'k3', got {estimator!r}")
+
+
 def _batch(recs: list[dict[str, Any]], signal: str = "full") -> dict[str, Tensor]:
-    """Pad records into (N, T) tensors. signal: "full" (the spec's KL) or "k3" (sampled-token)."""
+    """Pad records into (N, T) tensors. signal: "full" (the spec's KL), or "k1" / "k3" from the
+    sampled token's log-probabilities (`sampled_token_signal`) in place of the KL."""
     N, T = len(recs), max(len(r["ids"]) for r in recs)
     out = {k: torch.zeros(N, T) for k in ("kl", "entropy", "lp_s", "lp_t")}
     valid = torch.zeros(N, T, dtype=torch.bool)
@@ -565,9 +625,9 @@ def _batch(recs: list[dict[str, Any]], signal: str = "full") -> dict[str, Tensor
         valid[i, :n] = True
         for k in out:
             out[k][i, :n] = torch.tensor(r[k])
-    if signal == "k3":
-        log_ratio = out["lp_t"] - out["lp_s"]
-        out["kl"] = torch.where(valid, log_ratio.exp() - 1 - log_ratio, 0.0)
+    if signal != "full":
+        kl = sampled_token_signal(out["lp_s"].double(), out["lp_t"].double(), signal)
+        out["kl"] = torch.where(valid, kl, 0.0).float()
     out["valid"] = valid
     return out
 
@@ -616,7 +676,13 @@ def evaluate_method(
     keys = per_seed[0][0][0].keys() if bad else []
     rows = [{k: _nanmean([ps[0][i][k] for ps in per_seed]) for k in keys} for i in range(len(bad))]
     spread = [_nanmean([ps[1][i] for ps in per_seed]) for i in range(len(good))]
-    return {"rows": rows, "spread": spread, "per_seed": per_seed if len(seeds) > 1 else None}
+    return {
+        "rows": rows,
+        "spread": spread,
+        "per_seed": per_seed if len(seeds) > 1 else None,
+        "groups": [r["case"]["group"] for r in bad],
+        "good_groups": [r["case"]["group"] for r in good],
+    }
 
 
 def _nanmean(xs: Sequence[float]) -> float:
@@ -625,23 +691,24 @@ def _nanmean(xs: Sequence[float]) -> float:
 
 
 def summarise(ev: dict[str, Any]) -> dict[str, Any]:
+    """Means and problem-level bootstrap intervals of an `evaluate_method` result."""
     out: dict[str, Any] = {}
     for key in ("hit1", "hit1_token", "blame_after_share", "mass_after_share", "auroc"):
-        mean, ci, n = bootstrap_ci([r[key] for r in ev["rows"]])
+        mean, ci, n = bootstrap_ci([r[key] for r in ev["rows"]], ev.get("groups"))
         out[key], out[f"{key}_ci"] = mean, ci
         if key == "blame_after_share":
             out["blame_rows"] = n  # rows with any extra blame
-    mean, ci, _ = bootstrap_ci(ev["spread"])
+    mean, ci, _ = bootstrap_ci(ev["spread"], ev.get("good_groups"))
     out["weight_spread_pos"], out["weight_spread_pos_ci"] = mean, ci
     if ev["per_seed"]:
         out["hit1_per_seed"] = [_nanmean([r["hit1"] for r in ps[0]]) for ps in ev["per_seed"]]
     return out
 
 
-def paired(a: list[dict], b: list[dict], key: str) -> dict[str, Any]:
-    """Mean and bootstrap CI of the per-row difference a - b."""
-    d = [x[key] - y[key] for x, y in zip(a, b, strict=True)]
-    mean, ci, n = bootstrap_ci(d)
+def paired(a: dict[str, Any], b: dict[str, Any], key: str) -> dict[str, Any]:
+    """Mean and problem-level bootstrap CI of the per-row difference a - b (two evaluations)."""
+    d = [x[key] - y[key] for x, y in zip(a["rows"], b["rows"], strict=True)]
+    mean, ci, n = bootstrap_ci(d, a["groups"])
     return {"mean": mean, "ci": ci, "n": n}
 
 
@@ -660,20 +727,32 @@ def profile(recs: list[dict[str, Any]], key: str, radius: int = 6) -> list[float
     return [s / c if c else float("nan") for s, c in zip(sums, counts, strict=True)]
 
 
-def _with_k3(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _with_signal(recs: list[dict[str, Any]], estimator: str) -> list[dict[str, Any]]:
     out = []
     for r in recs:
-        lr = torch.tensor(r["lp_t"], dtype=torch.float64) - torch.tensor(
-            r["lp_s"], dtype=torch.float64
-        )
-        out.append({**r, "k3": (lr.exp() - 1 - lr).tolist()})
+        lp_s = torch.tensor(r["lp_s"], dtype=torch.float64)
+        lp_t = torch.tensor(r["lp_t"], dtype=torch.float64)
+        out.append({**r, estimator: sampled_token_signal(lp_s, lp_t, estimator).tolist()})
     return out
+
+
+def _clean_aligned(bad: list[dict[str, Any]], good: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each corrupted row, its problem's clean row with the corrupted row's error index
+    (tokens before the error are identical, so the KL there is too)."""
+    clean = {r["case"]["group"]: r for r in good}
+    return [
+        {**clean[r["case"]["group"]], "error": r["error"]}
+        for r in bad
+        if r["case"]["group"] in clean
+    ]
 
 
 def run_metrics(args: argparse.Namespace) -> None:
     from gear.credit import CreditParams
 
-    inj = _load_cache(Path(args.cache) / "injected.pt")
+    inj = {}
+    for f in sorted(Path(args.cache).glob("injected*.pt")):  # one file per worker
+        inj.update(_load_cache(f))
     nat = _load_cache(Path(args.cache) / "natural.pt")
     recs = [r for g in inj.values() for r in g]
     bad = [r for r in recs if "error" in r]
@@ -700,7 +779,12 @@ def run_metrics(args: argparse.Namespace) -> None:
         payload["methods"][name] = summarise(evs[name])
         for src in ("arithmetic", "gsm8k"):
             idx = [i for i, r in enumerate(bad) if r["case"]["source"] == src]
-            sub = {"rows": [evs[name]["rows"][i] for i in idx], "spread": [], "per_seed": None}
+            sub = {
+                "rows": [evs[name]["rows"][i] for i in idx],
+                "groups": [evs[name]["groups"][i] for i in idx],
+                "spread": [],
+                "per_seed": None,
+            }
             s = summarise(sub)
             payload["methods"][name][f"by_source_{src}"] = {
                 k: s[k] for k in ("hit1", "hit1_ci", "auroc", "auroc_ci", "blame_after_share")
@@ -710,26 +794,36 @@ def run_metrics(args: argparse.Namespace) -> None:
               f"  auroc {m['auroc']:.3f}  blame_after {m['blame_after_share']:.3f}"
               f"  spread+ {m['weight_spread_pos']:.3f}", flush=True)  # fmt: skip
     payload["paired"] = {
-        f"gear-{b}": {k: paired(evs["gear"]["rows"], evs[b]["rows"], k) for k in ("hit1", "auroc")}
+        f"gear-{b}": {k: paired(evs["gear"], evs[b], k) for k in ("hit1", "auroc")}
         for b in ("random", "gear_token", "grpo", "rlsd", "turn")
     }
-    # Variant: the sampled-token k3 estimator in place of the full-vocabulary KL.
-    k3 = {}
-    for name in ("gear", "gear_token", "gear_kl_only", "random"):
-        k3[name] = summarise(evaluate_method(bad, good, name, signal="k3"))
-    payload["variant_k3"] = {
-        "note": "kl replaced by k3 = r - 1 - log r, r = pi_T(y_t)/pi_S(y_t), from the same pass",
-        "methods": {
-            n: {k: v for k, v in s.items() if not k.startswith("by_")} for n, s in k3.items()
-        },
+    # Variants: a sampled-token divergence (k1, k3) in place of the full-vocabulary KL.
+    payload["variants"] = {
+        "note": "kl replaced by k1 = log pi_S(y_t) - log pi_T(y_t) or k3 = r - 1 - log r, "
+        "r = pi_T(y_t)/pi_S(y_t), from the same two passes; everything else as the spec",
     }
+    for est in ("k1", "k3"):
+        payload["variants"][est] = {}
+        for name in ("gear", "gear_token", "gear_kl_only", "random"):
+            ev = evaluate_method(bad, good, name, signal=est)
+            s = {k: v for k, v in summarise(ev).items() if not k.startswith("by_")}
+            payload["variants"][est][name] = s
+            if est == "k1" and name == "gear":
+                payload["paired"]["gear_k1-gear"] = {
+                    k: paired(ev, evs["gear"], k) for k in ("hit1", "auroc")
+                }
+                payload["paired"]["gear_k1-random"] = {
+                    k: paired(ev, evs["random"], k) for k in ("hit1", "auroc")
+                }
+            print(f"[{est}] {name:14s} hit1 {s['hit1']:.3f} {s['hit1_ci']}  auroc {s['auroc']:.3f}")
     payload["sweep"] = _sweep(bad)
-    withk3 = _with_k3(bad)
     payload["profile"] = {
         "offsets": list(range(-6, 7)),
         "kl_norm": profile(bad, "kl"),
+        "kl_norm_clean_row": profile(_clean_aligned(bad, good), "kl"),
         "entropy_norm": profile(bad, "entropy"),
-        "k3_norm": profile(withk3, "k3"),
+        "k1_norm": profile(_with_signal(bad, "k1"), "k1"),
+        "k3_norm": profile(_with_signal(bad, "k3"), "k3"),
     }
     payload["natural"] = _natural(nat)
     RESULTS.mkdir(exist_ok=True)
@@ -809,7 +903,9 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
         a.tick_params(axis="x", rotation=60)
         a.legend(fontsize=8)
     pr = payload["profile"]
-    for key, label in (("kl_norm", "full KL (spec)"), ("k3_norm", "k3 at sampled token"),
+    for key, label in (("kl_norm", "full KL (spec)"),
+                       ("kl_norm_clean_row", "full KL, same problem's clean row"),
+                       ("k1_norm", "k1 = log pS(y) - log pT(y)"),
                        ("entropy_norm", "student entropy")):  # fmt: skip
         ax[2].plot(pr["offsets"], pr[key], marker="o", label=label)
     ax[2].axvline(0, color="k", lw=1, ls=":")
@@ -865,13 +961,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("stage", choices=["signals", "natural", "metrics"])
-    ap.add_argument("--gsm8k", type=int, default=65, help="GSM8K problems (<= 3 errors each).")
-    ap.add_argument("--arithmetic", type=int, default=190, help="Multistep problems (2 each).")
-    ap.add_argument("--natural-prompts", type=int, default=24)
-    ap.add_argument("--samples", type=int, default=6, help="Samples per natural prompt.")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gsm8k", type=int, default=45, help="GSM8K problems (<= 5 errors each).")
+    ap.add_argument("--arithmetic", type=int, default=150, help="Multistep problems (2 x 2 each).")
+    ap.add_argument("--natural-prompts", type=int, default=40)
+    ap.add_argument("--samples", type=int, default=4, help="Samples per natural prompt.")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="1: faster than 2 on the shared CPU.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--reverse", action="store_true", help="signals: a second worker, from the other end."
+    )
     ap.add_argument("--cache", default=str(CACHE), help="Signal cache directory.")
     args = ap.parse_args()
     {"signals": run_signals, "natural": run_natural, "metrics": run_metrics}[args.stage](args)

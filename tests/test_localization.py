@@ -136,3 +136,12 @@ def test_gear_weights_pick_the_error_when_kl_spikes_there():
     flat = loc.evaluate_method([rec], [], "grpo")["rows"][0]
     assert flat["hit1"] == pytest.approx(4 / 12) and flat["auroc"] == 0.5
     json.dumps(loc._clean(loc.summarise(ev)))  # strict-JSON-able
+
+
+def test_grouped_bootstrap_resamples_problems_not_rows():
+    values = [0.0] * 5 + [1.0] * 5
+    groups = ["a"] * 5 + ["b"] * 5
+    mean, (lo, hi), n = loc.bootstrap_ci(values, groups)
+    assert (mean, n) == (0.5, 10) and lo == 0.0 and hi == 1.0  # two problems: anything goes
+    _, (lo_rows, hi_rows), _ = loc.bootstrap_ci(values)
+    assert lo_rows > 0.1 and hi_rows < 0.9  # ten independent rows: a narrower interval
