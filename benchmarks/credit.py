@@ -15,13 +15,12 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))  # the loop oracle lives with the tests
 from common import isolated, print_table, time_and_memory, write_json  # noqa: E402
 
 
 def credit_case(impl: str, N: int, T: int, repeats: int) -> dict:
     from gear.credit import CreditParams, token_advantages
-    from oracle import gear_row
+    from gear.testing import gear_row
 
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(N, generator=g)

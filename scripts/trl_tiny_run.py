@@ -7,7 +7,7 @@
 Every rank prints one line `GEAR_RANK {json}`; under torchrun rank 0 then checks that the ranks
 hold identical weights and ran the same number of teacher forwards, and prints `GEAR_OK {json}`.
 The model is a random 1-layer Llama built in code and the tokenizer needs no download (the
-fixtures of tests/_trl_helpers.py).
+fixtures of `gear.testing`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ import statistics
 import sys
 import tempfile
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the shared tiny fixtures
+import torch
+import torch.distributed as dist
+from trl import GRPOConfig, GRPOTrainer
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from _trl_helpers import (  # noqa: E402
+from gear.integrations.trl import GEARConfig, GEARTrainer
+from gear.testing import (
     byte_tokenizer,
     dataset,
     fast_kwargs,
@@ -36,7 +33,6 @@ from _trl_helpers import (  # noqa: E402
     load_tokenizer,
     tiny_model,
 )
-from gear.integrations.trl import GEARConfig, GEARTrainer  # noqa: E402
 
 
 def build(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOTrainer:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gear.credit import METHODS, CreditParams, credit_details, register_method, token_advantages
-from oracle import gear_row
+from gear.testing import gear_row
 
 SEGMENT_VARIANTS = ["gear", "gear_token", "gear_kl_only", "gear_entropy_only"]
 FLOAT_KEYS = ("token_advantages", "weights", "source")

@@ -1,7 +1,7 @@
 """`gear`: train, evaluate, compare and inspect GEAR runs.
 
 ```
-gear train                                   # embedded SmolLM2 + arithmetic, GEAR, ~15 min on CPU
+gear train                                   # embedded SmolLM2 + arithmetic, GEAR, < 15 min on CPU
 gear train --method grpo --steps 20 --set learning_rate=2e-6
 gear train --resume runs/arithmetic-gear-seed0-...
 gear eval runs/arithmetic-gear-seed0-... --n 200
@@ -77,7 +77,8 @@ def _overrides(pairs: list[str] | None, **named: Any) -> dict[str, Any]:
 @app.command()
 def train(
     config: Annotated[
-        str | None, typer.Argument(help="A YAML file or a name in configs/ (default: default).")
+        str | None,
+        typer.Argument(help="A YAML file or a recipe shipped with gear: default, study."),
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
@@ -95,21 +96,25 @@ def train(
         Path | None,
         typer.Option(help="Continue the run in this directory from its last checkpoint."),
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Check the configuration, print it and the precision chosen; train nothing.",
+        ),
+    ] = False,
     set_: SetOpt = None,
 ) -> None:
-    """Train with GEAR (or any credit method) and write a run directory."""
-    import yaml
+    """Train with GEAR (or any credit method) and write a run directory.
 
-    from gear.run import resolve_config
+    SIGTERM or Ctrl-C saves a checkpoint after the current step; `--resume` continues from it.
+    """
+    from gear.run import RunStopped, read_run_config, resolve_config
     from gear.run import train as run_train
 
     try:
         if resume is not None:
-            saved = resume / "config.yaml"
-            if not saved.is_file():
-                _fail(f"--resume {resume}: no config.yaml there (not a gear run directory)")
-            values = yaml.safe_load(saved.read_text())
-            values.update(values.pop("trainer", {}))
+            values = read_run_config(resume)
             values.update(_overrides(set_))
             cfg = resolve_config(config, values)
         else:
@@ -125,13 +130,40 @@ def train(
                     output_dir=output_dir,
                 ),
             )
+        if dry_run:
+            _dry_run(cfg)
+            return
         run_dir = run_train(cfg, run_dir=resume, resume=resume is not None, console=console)
+    except RunStopped as e:
+        console.print(f"[yellow]{e}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(e.exit_code) from None
     except (ValueError, OSError, NotImplementedError) as e:
         _fail(str(e))
     console.print(
         f"[green]done[/]: {run_dir}  (summary: {run_dir / 'summary.md'}; "
         f"view credit: gear inspect {run_dir})"
     )
+
+
+def _dry_run(cfg: Any) -> None:
+    """Everything `gear train` checks before loading a model, then the resolved config."""
+    import yaml
+
+    from gear.run import default_run_dir, run_precision, trainer_args
+    from gear.tasks import get_task
+
+    task = get_task(cfg.task, **cfg.task_options)
+    precision = run_precision(cfg)
+    run_dir = Path(cfg.output_dir or default_run_dir(cfg))
+    trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
+    resolved = dataclasses.asdict(cfg)
+    console.print(yaml.safe_dump(resolved, sort_keys=False), highlight=False, markup=False)
+    console.print(
+        f"precision: {precision.name} ({precision.reason}; {precision.capability})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(f"dry run: nothing written (the run would go to {run_dir})", highlight=False)
 
 
 @app.command("eval")
@@ -263,14 +295,14 @@ def compare(
     ] = ["grpo", "gear"],  # noqa: B006
     seeds: Annotated[list[int], typer.Option(help="Seeds (repeat the option).")] = [0, 1, 2],  # noqa: B006
     config: Annotated[
-        str | None, typer.Option(help="Base config (file or name in configs/).")
+        str | None, typer.Option(help="Base config (a file, or a shipped recipe: study).")
     ] = None,
     steps: Annotated[int | None, typer.Option(help="Steps per run (same for all).")] = None,
     out: Annotated[Path, typer.Option(help="Study directory (resumable).")] = Path("runs/compare"),
     set_: SetOpt = None,
 ) -> None:
     """Train methods x seeds with the same data and budget; table + learning curves."""
-    from gear.run import resolve_config
+    from gear.run import RunStopped, resolve_config
     from gear.run import train as run_train
 
     out.mkdir(parents=True, exist_ok=True)
@@ -292,6 +324,13 @@ def compare(
                 )
                 cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
                 run_train(cfg, run_dir=run_dir, resume=run_dir.is_dir(), console=console)
+            except RunStopped as e:
+                console.print(
+                    f"[yellow]{e}[/]; run the same `gear compare` again to continue the study",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                raise typer.Exit(e.exit_code) from None
             except ValueError as e:
                 _fail(str(e))
     write_comparison(out, methods, seeds)

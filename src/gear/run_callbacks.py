@@ -1,10 +1,15 @@
-"""Trainer callbacks of `gear train`: metrics file, progress bar with ETA, periodic evaluation."""
+"""Trainer callbacks of `gear train`: metrics file, progress with ETA, periodic evaluation,
+clean stops on signals, and checkpoints that appear complete or not at all."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
+import shutil
+import statistics
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,15 +41,30 @@ class MetricsFile(TrainerCallback):
 
 
 class ProgressCallback(TrainerCallback):
-    """A rich progress bar with ETA and the latest reward; silent without a console."""
+    """Training progress: a rich bar with ETA and the latest reward on a terminal; one plain line
+    per step otherwise (nohup, CI, a log file), so a log shows where a run is. Silent without a
+    console."""
 
     def __init__(self, console: Any) -> None:
         self.console = console
         self.progress: Any = None
         self.task: Any = None
+        self.lines = False  # one line per step instead of a bar
+        self.last_time = 0.0
+        self.last_step = 0
+        self.step_times: list[float] = []
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.console is None or not state.is_world_process_zero:
+            return
+        self.last_time, self.last_step = time.monotonic(), state.global_step
+        if not self.console.is_terminal:
+            self.lines = True
+            self.console.print(
+                f"training: steps {state.global_step + 1}..{state.max_steps}",
+                highlight=False,
+                soft_wrap=True,
+            )
             return
         from rich.progress import (
             BarColumn,
@@ -77,18 +97,158 @@ class ProgressCallback(TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any
     ) -> None:
-        if self.progress is not None and logs:
+        if not logs:
+            return
+        if self.progress is not None:
             parts = [
                 f"{k.split('/')[-1]} {logs[k]:.3f}"
                 for k in ("reward", "gear/kl_mean")
                 if isinstance(logs.get(k), float)
             ]
             self.progress.update(self.task, info="  ".join(parts))
+        elif self.lines and "reward" in logs and state.global_step > self.last_step:
+            self.console.print(step_line(self, state, logs), highlight=False, soft_wrap=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def step_line(progress: ProgressCallback, state: Any, logs: dict[str, Any]) -> str:
+    """`step 3/28  reward 0.250  kl_mean 0.171  31.2 s/step  eta 13m 01s` (median step time)."""
+    now = time.monotonic()
+    steps = state.global_step - progress.last_step
+    progress.step_times += [(now - progress.last_time) / steps] * steps
+    progress.last_time, progress.last_step = now, state.global_step
+    per_step = statistics.median(progress.step_times)
+    eta = int(per_step * max(state.max_steps - state.global_step, 0))
+    parts = [f"step {state.global_step}/{state.max_steps}"]
+    for key, label in (("reward", "reward"), ("gear/kl_mean", "kl_mean")):
+        value = logs.get(key)
+        parts.append(f"{label} {value:.3f}" if isinstance(value, int | float) else f"{label} -")
+    parts.append(f"{per_step:.1f} s/step")
+    parts.append(f"eta {eta // 60}m {eta % 60:02d}s")
+    return "  ".join(parts)
+
+
+class SignalStop(TrainerCallback):
+    """Ends training cleanly after a stop signal: at the end of the current step the trainer
+    saves a checkpoint and stops (`gear.run.stop_signals` installs the handler that calls
+    `request`). Under torch.distributed every rank stops at the same step (the flag is reduced
+    with max), so no rank waits in a collective for one that left."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.training = False  # set by the recipe around trainer.train()
+
+    def request(self, signum: int) -> None:
+        self.signum = signum
+
+    def _any_rank_stopping(self) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        mine = self.signum or 0
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(mine)
+        flag = torch.tensor([mine], dtype=torch.long)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signum is None:
+            self.signum = int(flag.item())
+        return bool(flag.item())
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._any_rank_stopping():
+            control.should_save = True
+            control.should_training_stop = True
+
+
+STAGING = ".checkpoint-staging"  # hidden, and outside HF's `checkpoint-<step>` pattern
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """The run's last complete checkpoint (highest step), or None. Staging leftovers of a
+    killed save are never candidates (they are not named `checkpoint-<step>`)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(str(run_dir)) if Path(run_dir).is_dir() else None
+    return Path(found) if found else None
+
+
+def _publish(staged: Path, target: Path) -> None:
+    """Rename a complete directory into place (atomic on one filesystem). A target that already
+    exists (the same step saved again) is moved aside first and removed after."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+    os.replace(staged, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_checkpoints(trainer: Any) -> Any:
+    """Make `trainer`'s checkpoints appear complete or not at all.
+
+    HF's `Trainer._save_checkpoint` writes model, optimizer, RNG and trainer state file by file
+    into RUN_DIR/checkpoint-N, so a kill -9 during a save leaves a half checkpoint that `resume`
+    would pick. Here every save is written under RUN_DIR/.checkpoint-staging/checkpoint-N
+    (subclasses' extra files included: they ask the same `_get_output_dir`), then renamed into
+    RUN_DIR and the old checkpoints rotated. Patches the instance, not the class, so it works
+    for any Trainer subclass. Returns the trainer.
+    """
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    save = trainer._save_checkpoint  # bound method of the class
+    output_dir_of = trainer._get_output_dir
+
+    def _save_checkpoint(model: Any, trial: Any, *a: Any, **kw: Any) -> None:
+        run_dir = Path(output_dir_of(trial=trial))
+        staging = run_dir / STAGING
+        name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+        if trainer.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # a killed save's leftovers
+            staging.mkdir(parents=True)
+        trainer.accelerator.wait_for_everyone()
+        trainer._get_output_dir = lambda trial=None: str(staging)
+        try:
+            save(model, trial, *a, **kw)
+        finally:
+            del trainer._get_output_dir  # back to the class's method
+        trainer.accelerator.wait_for_everyone()  # every rank's shards are in
+        best = trainer.state.best_model_checkpoint
+        if best and Path(best).parent == staging:
+            trainer.state.best_model_checkpoint = str(run_dir / Path(best).name)
+        if trainer.args.should_save:
+            _publish(staging / name, run_dir / name)
+            shutil.rmtree(staging, ignore_errors=True)
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=trainer.args.save_total_limit,
+                best_model_checkpoint=trainer.state.best_model_checkpoint,
+                use_mtime=False,
+            )
+        trainer.accelerator.wait_for_everyone()
+
+    trainer._save_checkpoint = _save_checkpoint
+    return trainer
+
+
+def save_model_atomically(trainer: Any, target: Path) -> Path:
+    """`trainer.save_model` into a temporary sibling of `target`, then renamed into place."""
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp")
+    if trainer.args.should_save:
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_model(str(tmp))
+    trainer.accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        _publish(tmp, target)
+    return target
 
 
 @contextlib.contextmanager
@@ -118,7 +278,11 @@ def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, 
 
     bar: Any = None
     ctx: Any = contextlib.nullcontext()
-    if console is not None:
+    if console is not None and not console.is_terminal:  # no live bar in a log: say what runs
+        console.print(
+            f"evaluating {label}: {cfg.eval_n} held-out problems", highlight=False, soft_wrap=True
+        )
+    elif console is not None:
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -172,6 +336,7 @@ class EvalCallback(TrainerCallback):
             state.is_world_process_zero
             and step % self.cfg.eval_every == 0
             and step < state.max_steps
+            and not control.should_training_stop  # a stop signal: save now, evaluate later
         ):
             return
         result = evaluate_now(model, self.tokenizer, self.task, self.cfg, None, f"step {step}")

