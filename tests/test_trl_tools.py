@@ -15,8 +15,9 @@ import types
 import pytest
 import torch
 
-import gear.integrations.trl.trainer as gear_trl
+import gear.integrations.trl.credit as trl_credit
 from _trl_helpers import byte_tokenizer, make_trainer
+from gear.integrations.trl.prompts import trainer_hint_template
 
 OBSERVATION = "<tool_response>42</tool_response>"
 FIRST, SECOND = 4, 5  # policy tokens before and after the observation
@@ -53,7 +54,7 @@ def test_tool_tokens_are_masked_out_of_signals_weights_and_segments(tmp_path, mo
     obs = slice(FIRST, FIRST + n_obs)
     calls, forwards, losses = [], [], []
     real_details, real_hidden, real_loss = (
-        gear_trl.credit_details,
+        trl_credit.credit_details,
         trainer._final_hidden,
         trainer._compute_loss,
     )
@@ -62,7 +63,7 @@ def test_tool_tokens_are_masked_out_of_signals_weights_and_segments(tmp_path, mo
         calls.append((args, kwargs, real_details(*args, **kwargs)))
         return calls[-1][2]
 
-    monkeypatch.setattr(gear_trl, "credit_details", spy_details)
+    monkeypatch.setattr(trl_credit, "credit_details", spy_details)
     monkeypatch.setattr(
         trainer,
         "_final_hidden",
@@ -101,9 +102,11 @@ def test_tool_tokens_are_masked_out_of_signals_weights_and_segments(tmp_path, mo
 
 def test_the_tool_hint_is_chosen_for_tool_rollouts_when_asked(tmp_path):
     trainer = make_trainer(tmp_path, byte_tokenizer(), rollout_func=rollout, hint_kind="tool")
-    assert trainer._hint_template().startswith("Reference tool calls:")
+    assert trainer_hint_template(trainer).startswith("Reference tool calls:")
     trainer = make_trainer(tmp_path, byte_tokenizer(), rollout_func=rollout)
-    assert trainer._hint_template().startswith("Here is a reference solution")  # auto: no tools
+    assert trainer_hint_template(trainer).startswith(
+        "Here is a reference solution"
+    )  # auto: no tools
 
 
 def add(a: int, b: int) -> int:
@@ -176,9 +179,9 @@ def test_tool_calls_through_trl_mask_the_tool_response(tmp_path, monkeypatch, wa
     kwargs = {"tools": [add]} if way == "tools" else {"environment_factory": Calculator}
     trainer, tok = _tool_trainer(tmp_path, monkeypatch, **kwargs)
     calls, forwards = [], []
-    real_details, real_hidden = gear_trl.credit_details, trainer._final_hidden
+    real_details, real_hidden = trl_credit.credit_details, trainer._final_hidden
     monkeypatch.setattr(
-        gear_trl, "credit_details", lambda *a, **k: calls.append(k) or real_details(*a, **k)
+        trl_credit, "credit_details", lambda *a, **k: calls.append(k) or real_details(*a, **k)
     )
     monkeypatch.setattr(
         trainer,

@@ -11,6 +11,7 @@ import torch
 import trl
 from datasets import Dataset
 
+import gear.integrations.trl.credit as trl_credit
 import gear.integrations.trl.trainer as gear_trl
 from _trl_helpers import byte_tokenizer, dataset, hash_reward, make_trainer, parameters, tiny_model
 from gear.credit import METHODS, CreditParams, credit_details, signals_from_logits
@@ -296,7 +297,7 @@ def test_teacher_prompts_over_budget_are_truncated_in_the_hint_and_counted(
 def test_rows_with_non_finite_signals_fall_back_to_grpo_and_training_continues(
     tmp_path, tok, monkeypatch
 ):
-    real_signals, real_details = gear_trl.signals_from_hidden, gear_trl.credit_details
+    real_signals, real_details = gear_trl.signals_from_hidden, trl_credit.credit_details
 
     def poisoned(*args, **kwargs):
         signals = real_signals(*args, **kwargs)
@@ -306,7 +307,7 @@ def test_rows_with_non_finite_signals_fall_back_to_grpo_and_training_continues(
     details = []
     monkeypatch.setattr(gear_trl, "signals_from_hidden", poisoned)
     monkeypatch.setattr(
-        gear_trl,
+        trl_credit,
         "credit_details",
         lambda *a, **k: details.append(real_details(*a, **k)) or details[-1],
     )
@@ -478,9 +479,9 @@ def test_rows_without_ground_truth_keep_grpo_weights_and_are_counted(tmp_path, t
         lambda row, i: {"ground_truth": None if i == 0 else row["ground_truth"]}, with_indices=True
     )
     details = []
-    real = gear_trl.credit_details
+    real = trl_credit.credit_details
     monkeypatch.setattr(
-        gear_trl, "credit_details", lambda *a, **k: details.append(real(*a, **k)) or details[-1]
+        trl_credit, "credit_details", lambda *a, **k: details.append(real(*a, **k)) or details[-1]
     )
     trainer = make_trainer(tmp_path, tok, data=data)
     trainer.model.train()

@@ -2,7 +2,8 @@
 
 Only TRL overrides and the orchestration of one batch live here (spec §1-5): the student states
 come from `states.StudentStates`, the frozen / EMA teacher from `teacher_model`, the teacher
-prompts from `gear.teacher`, the signals and credit from `gear.credit`.
+prompts from `prompts` (`gear.teacher`), the credit of the batch from `credit`
+(`gear.credit`), the OPSD loss from `self_distill`, logging from `records`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,22 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.trainer.utils import maybe_gather_lm_head_ctx, pad
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_details
+from gear.credit import CreditDetails, CreditParams, TokenSignals
 from gear.credit.methods import METHODS
-from gear.credit.signals import reverse_kl_from_hidden, signals_from_hidden
+from gear.credit.signals import signals_from_hidden
 from gear.integrations.trl.config import GEARConfig
+from gear.integrations.trl.credit import batch_credit, without_unhinted_rows
+from gear.integrations.trl.prompts import (
+    eval_datasets,
+    ground_truths_of,
+    require_column,
+    teacher_inputs,
+    teacher_prompts,
+)
+from gear.integrations.trl.records import log_stats, maybe_write_credit_record
+from gear.integrations.trl.self_distill import no_reward, self_distill_loss
 from gear.integrations.trl.states import (
     StudentStates,
     eval_mode,
@@ -44,8 +55,7 @@ from gear.integrations.trl.teacher_model import (
     save_teacher,
     update_ema,
 )
-from gear.teacher import TeacherPrompts, build_teacher_prompts, hint_template
-from gear.viz.record import credit_record_path, credit_rows, write_credit_record
+from gear.teacher import TeacherPrompts
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
 if not TESTED_TRL[0] <= Version(trl.__version__) < TESTED_TRL[1]:
@@ -54,13 +64,6 @@ if not TESTED_TRL[0] <= Version(trl.__version__) < TESTED_TRL[1]:
         f"found trl {trl.__version__}. GEARTrainer overrides private GRPOTrainer methods.",
         stacklevel=2,
     )
-
-SUMMED_STATS = ("gear/teacher_prompts_truncated", "gear/rows_without_ground_truth")
-
-
-def no_reward(completions: list, **kwargs: Any) -> list[float]:
-    """Reward 0 for every completion: the reward source of `loss_mode="self_distill"` runs."""
-    return [0.0] * len(completions)
 
 
 class GEARTrainer(GRPOTrainer):
@@ -163,13 +166,13 @@ class GEARTrainer(GRPOTrainer):
         self._needs_signals = self_distill or bool(requires)
         self._needs_teacher = self_distill or bool(set(requires) & {"kl", "teacher_logprobs"})
         if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
-            for ds in (train_dataset, *(_datasets(eval_dataset))):
+            for ds in (train_dataset, *(eval_datasets(eval_dataset))):
                 columns = getattr(ds, "column_names", None)
                 if columns is not None:
-                    _require_column(args.ground_truth_column, list(columns))
+                    require_column(args.ground_truth_column, list(columns))
             if train_dataset is None and environment_factory is not None:
                 # TRL then trains on a placeholder dataset that has only a "prompt" column
-                _require_column(args.ground_truth_column, ["prompt"])
+                require_column(args.ground_truth_column, ["prompt"])
         self._logit_scale = logit_scale(text_config)
         self._logit_softcap = logit_softcap(text_config)
         self._student = StudentStates(self)
@@ -248,7 +251,7 @@ class GEARTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         mode = "train" if self.model.training else "eval"
         if self._needs_teacher and self.rollout_func is None:
-            _ground_truths(inputs, self.args.ground_truth_column)  # fail before generating
+            ground_truths_of(inputs, self.args.ground_truth_column)  # fail before generating
         rl = self.args.loss_mode == "rl"
         with self._student.capturing(rl and self._needs_signals):
             output = super()._generate_and_score_completions(inputs)
@@ -259,7 +262,7 @@ class GEARTrainer(GRPOTrainer):
         teacher = None
         if self._needs_teacher:
             t0 = time.perf_counter()
-            gts = _ground_truths(inputs, self.args.ground_truth_column)
+            gts = ground_truths_of(inputs, self.args.ground_truth_column)
             teacher = self._teacher_inputs(self._gear_prompts, gts, output, stats)
             stats["gear/time_teacher_prompts"] = time.perf_counter() - t0
             if not rl:  # self_distill: the teacher pass runs in the loss, on each micro-batch
@@ -268,12 +271,12 @@ class GEARTrainer(GRPOTrainer):
                     output["gear_teacher_attention_mask"],
                     output["gear_has_hint"],
                 ) = teacher
-                self._log_stats(mode, stats)
+                log_stats(self, mode, stats)
                 return output
         if self._needs_signals:
             signals = self._token_signals(output, teacher, valid, mode, stats)
             credit_signals = (
-                signals if teacher is None else _without_unhinted_rows(signals, teacher[2])
+                signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
         t0 = time.perf_counter()
@@ -281,12 +284,12 @@ class GEARTrainer(GRPOTrainer):
         details = self._credit(sequence_advantages, valid, turn_starts, credit_signals)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
-        self._log_stats(mode, stats)
+        log_stats(self, mode, stats)
         for key, value in details.stats.items():  # already over the whole generation batch
             self._metrics[mode][key].append(value)
         if mode == "train":
-            self._maybe_write_credit_record(
-                output, details, signals, sequence_advantages, self._gear_prompts
+            maybe_write_credit_record(
+                self, output, details, signals, sequence_advantages, self._gear_prompts
             )
         return output
 
@@ -331,47 +334,10 @@ class GEARTrainer(GRPOTrainer):
         turn_starts: Tensor | None,
         signals: TokenSignals | None,
     ) -> CreditDetails:
-        """`gear.credit.credit_details` of this process's rows, computed on the generation batch
-        of all processes: exact batch statistics, and batch-level methods (`entropy_top`) see
-        the whole batch, as in one process."""
-        inputs = {
-            "valid": valid,
-            "turn_starts": turn_starts,
-            **{
-                k: None if signals is None else getattr(signals, k)
-                for k in ("kl", "entropy", "student_logprobs", "teacher_logprobs")
-            },
-        }
-        world = self.accelerator.num_processes
-        B, T = valid.shape
-        if world > 1:  # pad every process's (B, T_p) to the longest T, gather the rows
-            advantages = self.accelerator.gather(advantages)
-            inputs = {
-                k: None
-                if v is None
-                else self.accelerator.gather(
-                    self.accelerator.pad_across_processes(v.float(), dim=1, pad_index=0)
-                )
-                for k, v in inputs.items()
-            }
-            inputs["valid"] = inputs["valid"].bool()
-            inputs["turn_starts"] = (
-                None if inputs["turn_starts"] is None else inputs["turn_starts"].bool()
-            )
-        details = credit_details(
-            advantages, inputs.pop("valid"), **inputs, params=self._batch_credit_params()
+        """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
+        return batch_credit(
+            self.accelerator, advantages, valid, turn_starts, signals, self._batch_credit_params()
         )
-        if world == 1:
-            return details
-        rows = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)
-        local = {
-            f.name: getattr(details, f.name)[rows]
-            if f.name == "fallback_rows"
-            else getattr(details, f.name)[rows, :T]
-            for f in dataclasses.fields(details)
-            if f.name != "stats"
-        }
-        return CreditDetails(**local, stats=details.stats)
 
     def _teacher(self) -> nn.Module:
         return self.model if self.teacher_model is None else self.teacher_model
@@ -385,73 +351,18 @@ class GEARTrainer(GRPOTrainer):
             else p
         )
 
-    def _hint_template(self) -> str:
-        a = self.args
-        uses_tools = bool(self.tools) or self.environment_factories is not None
-        return hint_template(a.hint_kind, uses_tools, a.math_hint_template, a.tool_hint_template)
-
-    def _render_prompt(self, prompt: Any, tools: list | None) -> list[int]:
-        """Prompt -> ids exactly as TRL renders generation prompts (template, tools, kwargs)."""
-        if isinstance(prompt, str):
-            return list(self.processing_class(text=prompt)["input_ids"])
-        ids = self.processing_class.apply_chat_template(
-            conversation=prompt,
-            tools=tools or None,  # as TRL: some templates render tool boilerplate for tools=[]
-            chat_template=self.chat_template,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **self.chat_template_kwargs,
-        )["input_ids"]
-        return list(ids[0] if ids and isinstance(ids[0], list) else ids)
-
     def _teacher_inputs(
         self, prompts: list, ground_truths: list, output: dict[str, Any], stats: dict[str, float]
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Teacher prompt (left-padded) + the student's completion ids: ids and mask, (B, P_T + T),
-        and (B,) bool, whether the row has a hint (a ground truth).
-
-        Counts rows whose hint was truncated and rows without a ground truth into `stats`."""
+        """Teacher inputs (ids, mask, has_hint) of the batch (`prompts.teacher_inputs`);
+        counts rows whose hint was truncated and rows without a ground truth into `stats`."""
         built = self._teacher_prompts(prompts, ground_truths)
-        tok = self._tokenizer
-        device = output["completion_ids"].device
-        ids = pad(
-            [torch.tensor(r, dtype=torch.long) for r in built.ids],
-            padding_value=tok.pad_token_id,
-            padding_side="left",
-        ).to(device)
-        mask = pad(
-            [torch.ones(len(r), dtype=torch.long) for r in built.ids],
-            padding_value=0,
-            padding_side="left",
-        ).to(device)
         stats["gear/teacher_prompts_truncated"] = float(built.truncated)
         stats["gear/rows_without_ground_truth"] = float(built.without_ground_truth)
-        return (
-            torch.cat([ids, output["completion_ids"]], dim=1),
-            torch.cat([mask, output["completion_mask"]], dim=1),
-            torch.tensor(built.has_hint, dtype=torch.bool, device=device),
-        )
+        return teacher_inputs(built, output, self._tokenizer.pad_token_id)
 
     def _teacher_prompts(self, prompts: list, ground_truths: list) -> TeacherPrompts:
-        """Teacher prompt ids per row (spec §4, `gear.teacher`), rendered like generation's."""
-        tok = self._tokenizer
-
-        def render(i: int, prompt: Any) -> list[int]:
-            if self.environment_factories is not None:
-                return self._render_prompt(prompt, self._env_tools[self._batch_environments[i]])
-            return self._render_prompt(prompt, self.tools)
-
-        return build_teacher_prompts(
-            prompts,
-            ground_truths,
-            render,
-            self._hint_template(),
-            max_tokens=self.args.teacher_max_prompt_length,
-            tokenize=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-            detokenize=lambda ids: tok.decode(ids),
-            text_hint_position=self.args.text_hint_position,
-        )
+        return teacher_prompts(self, prompts, ground_truths)
 
     # ------------------------------------------------------------------------------- forwards
 
@@ -535,169 +446,11 @@ class GEARTrainer(GRPOTrainer):
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         if self.args.loss_mode == "self_distill":
-            return self._self_distill_loss(model, inputs)
+            return self_distill_loss(self, model, inputs)
         return super()._compute_loss(model, inputs)
-
-    def _self_distill_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
-        """OPSD: sum over valid tokens of KL(pi_S || sg(pi_T)), full vocabulary, divided by the
-        generation batch's valid-token count per accumulation window (TRL's 'dapo' normaliser),
-        so the gradient is that of the token-mean KL whatever the accumulation."""
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        mask = (
-            completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        )
-        mask = mask * inputs["gear_has_hint"][:, None]  # no ground truth: no teacher to follow
-        n_keep = completion_ids.size(1)
-        teacher_model = self._teacher()
-        with torch.no_grad(), eval_mode(self.accelerator.unwrap_model(teacher_model)):
-            teacher_hidden = self._final_hidden(
-                teacher_model,
-                inputs["gear_teacher_input_ids"],
-                inputs["gear_teacher_attention_mask"],
-                n_keep,
-            )
-        student_hidden = self._final_hidden(
-            model,
-            torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
-            torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
-            n_keep,
-            grad=True,
-        )
-        valid = mask.bool()
-        with self._heads() as (ws, bs, wt, bt):
-            kl_valid, entropy_valid = reverse_kl_from_hidden(
-                student_hidden[valid].to(ws.dtype),
-                teacher_hidden[valid].to(wt.dtype),
-                ws,
-                lm_head_bias=bs,
-                teacher_lm_head_weight=wt,
-                teacher_lm_head_bias=bt,
-                temperature=self._signal_temperature,
-                chunk_size=self.args.signal_chunk_size,
-                softcap=self._logit_softcap,
-            )
-        mode = "train" if self.model.training else "eval"
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            normalizer = (
-                normalizer
-                * self.current_gradient_accumulation_steps
-                / self.args.steps_per_generation
-            )
-        # `0 * student_hidden.sum()` keeps the graph connected when no token of the micro-batch is valid
-        loss = kl_valid.sum() / normalizer + 0.0 * student_hidden.sum()
-        totals = self.accelerator.reduce(
-            torch.stack([kl_valid.detach().sum(), entropy_valid.sum(), valid.sum().float()]),
-            reduction="sum",
-        )
-        count = totals[2].clamp(min=1.0)
-        self._metrics[mode]["gear/kl_mean"].append((totals[0] / count).item())
-        self._metrics[mode]["gear/entropy_mean"].append((totals[1] / count).item())
-        return loss
-
-    # ------------------------------------------------------------------------------- logging
-
-    def _log_stats(self, mode: str, stats: dict[str, float]) -> None:
-        """Append per-process gear/* values (timings, prompt counts) to TRL's metrics: the mean
-        over processes, except counts, which are summed."""
-        keys = sorted(stats)
-        local = torch.tensor(
-            [stats[k] for k in keys], dtype=torch.float32, device=self.accelerator.device
-        )
-        every = self.accelerator.gather(local).view(-1, len(keys))
-        for key, column in zip(keys, every.unbind(1), strict=True):
-            value = column.sum() if key in SUMMED_STATS else column.mean()
-            self._metrics[mode][key].append(value.item())
-
-    def _maybe_write_credit_record(
-        self,
-        output: dict[str, Any],
-        details: CreditDetails,
-        signals: TokenSignals | None,
-        advantages: Tensor,
-        prompts: list,
-    ) -> None:
-        """Write `output_dir/credit/step_XXXXXX.jsonl` (main process, its first rows) when due."""
-        every, n_rows = self.args.credit_log_steps, self.args.credit_log_rows
-        step = self.state.global_step
-        if every == 0 or n_rows == 0 or step < self._gear_next_record_step:
-            return
-        self._gear_next_record_step = step + every
-        if not self.accelerator.is_main_process:
-            return
-        ids = output["completion_ids"].cpu()
-        real = output["completion_mask"].bool().cpu() | details.valid.cpu()
-        rows = list(range(min(n_rows, ids.size(0))))
-        tokens: list[list[str]] = [[] for _ in range(ids.size(0))]
-        completions: list[str] = [""] * ids.size(0)
-        for i in rows:
-            nz = real[i].nonzero()
-            row_ids = ids[i, : int(nz[-1]) + 1 if len(nz) else 0].tolist()
-            tokens[i] = self._tokenizer.batch_decode([[t] for t in row_ids])
-            completions[i] = self._tokenizer.decode(row_ids)
-        records = credit_rows(
-            details,
-            tokens=tokens,
-            rewards=self._local_rewards(ids.size(0)),
-            advantages=advantages,
-            prompts=prompts,
-            completions=completions,
-            step=step,
-            method=self.credit_params.method,
-            rows=rows,
-            kl=None if signals is None else signals.kl,
-            entropy=None if signals is None else signals.entropy,
-            token_ids=ids,
-            completion_mask=output["completion_mask"],
-        )
-        write_credit_record(credit_record_path(self.args.output_dir, step), records)
-
-    def _local_rewards(self, n: int) -> Tensor:
-        """(n,) weighted reward of this process's rows (NaN where no reward function applied)."""
-        per_func = self._gear_rewards
-        start = self.accelerator.process_index * n
-        local = per_func[start : start + n].float().cpu()
-        total = (local * self.reward_weights.cpu()[None]).nansum(dim=1)
-        return torch.where(torch.isnan(local).all(dim=1), torch.nan, total)
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def _datasets(eval_dataset: Any) -> list:
-    if eval_dataset is None:
-        return []
-    return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
-
-
-def _require_column(column: str, present: list[str]) -> None:
-    if column not in present:
-        raise ValueError(
-            f"ground_truth_column: the teacher hint needs column {column!r}, which the dataset does not have; "
-            f"columns present: {sorted(present)}. Set GEARConfig.ground_truth_column to one of them "
-            "(and keep remove_unused_columns=False)."
-        )
-
-
-def _ground_truths(inputs: list[dict[str, Any]], column: str) -> list[Any]:
-    for row in inputs:
-        if column not in row:
-            _require_column(column, list(row))
-    return [row[column] for row in inputs]
-
-
-def _without_unhinted_rows(signals: TokenSignals, has_hint: Tensor) -> TokenSignals:
-    """The signals for credit: rows without a hint (no ground truth) have no teacher, so their
-    teacher-dependent signals become NaN, which `credit_details` turns into weight 1 (GRPO)
-    and counts in gear/fallback_rows, instead of min-max stretching numerical noise."""
-    none = ~has_hint[:, None]
-    return dataclasses.replace(
-        signals,
-        kl=None if signals.kl is None else signals.kl.masked_fill(none, torch.nan),
-        teacher_logprobs=None
-        if signals.teacher_logprobs is None
-        else signals.teacher_logprobs.masked_fill(none, torch.nan),
-    )
 
 
 def _response_mask(output: dict[str, Any]) -> tuple[Tensor, Tensor | None]:

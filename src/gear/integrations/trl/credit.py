@@ -1,0 +1,78 @@
+"""GEAR's credit of a TRL batch: `gear.credit.credit_details` on the whole generation batch.
+
+With several processes each one's rows are gathered (padded to the longest completion), so the
+statistics are exact batch values and batch-level methods (`entropy_top`) see the whole batch,
+as in one process; each process keeps its own rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_details
+
+SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
+
+
+def batch_credit(
+    accelerator: Any,
+    advantages: Tensor,
+    valid: Tensor,
+    turn_starts: Tensor | None,
+    signals: TokenSignals | None,
+    params: CreditParams,
+) -> CreditDetails:
+    """`credit_details` of this process's rows, computed on the generation batch of all processes.
+
+    Args:
+        advantages: (B,) this process's sequence advantages.
+        valid: (B, T) bool policy tokens; turn_starts: (B, T) bool or None.
+        signals: this process's (B, T) signals, or None when the method needs none.
+    """
+    inputs: dict[str, Tensor | None] = {
+        "valid": valid,
+        "turn_starts": turn_starts,
+        **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
+    }
+    world = accelerator.num_processes
+    B, T = valid.shape
+    if world > 1:  # pad every process's (B, T_p) to the longest T, gather the rows
+        advantages = accelerator.gather(advantages)
+        inputs = {
+            k: None
+            if v is None
+            else accelerator.gather(accelerator.pad_across_processes(v.float(), dim=1, pad_index=0))
+            for k, v in inputs.items()
+        }
+        for k in ("valid", "turn_starts"):
+            inputs[k] = None if inputs[k] is None else inputs[k].bool()
+    details = credit_details(advantages, inputs.pop("valid"), **inputs, params=params)
+    if world == 1:
+        return details
+    rows = slice(accelerator.process_index * B, (accelerator.process_index + 1) * B)
+    local = {
+        f.name: getattr(details, f.name)[rows]
+        if f.name == "fallback_rows"
+        else getattr(details, f.name)[rows, :T]
+        for f in dataclasses.fields(details)
+        if f.name != "stats"
+    }
+    return CreditDetails(**local, stats=details.stats)
+
+
+def without_unhinted_rows(signals: TokenSignals, has_hint: Tensor) -> TokenSignals:
+    """The signals for credit: rows without a hint (no ground truth) have no teacher, so their
+    teacher-dependent signals become NaN, which `credit_details` turns into weight 1 (GRPO)
+    and counts in gear/fallback_rows, instead of min-max stretching numerical noise."""
+    none = ~has_hint[:, None]
+    return dataclasses.replace(
+        signals,
+        kl=None if signals.kl is None else signals.kl.masked_fill(none, torch.nan),
+        teacher_logprobs=None
+        if signals.teacher_logprobs is None
+        else signals.teacher_logprobs.masked_fill(none, torch.nan),
+    )
