@@ -31,7 +31,10 @@ needed. The teacher pass then runs inside the loss, under no_grad, on the curren
 the "current" teacher is exactly the weights being trained.
 
 Modules: `config` (GEARConfig), `trainer` (TRL overrides and the orchestration of a batch),
-`states` (where the student's hidden states come from), `teacher_model` (frozen / EMA teacher).
+`states` (where the student's hidden states come from), `teacher_model` (frozen / EMA teacher),
+`prompts` (a batch's teacher prompts, via `gear.teacher`), `credit` (the credit of this
+process's rows on the whole generation batch), `self_distill` (the OPSD loss), `records`
+(gear/* metrics and credit records).
 """
 
 from gear.integrations.trl.config import GEARConfig
