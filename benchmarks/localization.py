@@ -956,11 +956,57 @@ def write_records(bad: list[dict], good: list[dict], run_dir: Path, n: int = 6) 
     return run_dir
 
 
+def _ci(m: dict[str, Any], key: str) -> str:
+    v, ci = m.get(key), m.get(f"{key}_ci")
+    if v is None:
+        return "n/a"
+    return f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and ci[0] is not None else f"{v:.3f}"
+
+
+def run_table(args: argparse.Namespace) -> None:
+    """Print the Markdown tables of BENCHMARKS.md from benchmarks/results/localization.json."""
+    r = json.loads((RESULTS / "localization.json").read_text())
+    print(f"{r['cases']} injected errors ({r['sources']}), {r['clean_rows']} clean rows\n")
+    print("| method | hit@1 (step) | hit@1 (wrong number) | extra blame on/after step | "
+          "AUROC at/after error | weight std, A > 0 |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, m in r["methods"].items():
+        print(f"| `{name}` | {_ci(m, 'hit1')} | {_ci(m, 'hit1_token')} | "
+              f"{_ci(m, 'blame_after_share')} | {_ci(m, 'auroc')} | "
+              f"{_ci(m, 'weight_spread_pos')} |")  # fmt: skip
+    c = r["chance"]
+    print(f"\nflat: step token share {c['step_token_share']:.3f}, "
+          f"at/after-step token share {c['after_step_token_share']:.3f}\n")  # fmt: skip
+    for est in ("k1", "k3"):
+        for name, m in r["variants"][est].items():
+            print(f"| `{name}` [{est}] | {_ci(m, 'hit1')} | {_ci(m, 'hit1_token')} | "
+                  f"{_ci(m, 'blame_after_share')} | {_ci(m, 'auroc')} | "
+                  f"{_ci(m, 'weight_spread_pos')} |")  # fmt: skip
+    print()
+    for k, v in r["paired"].items():
+        print(f"{k}: " + ", ".join(f"{m} {d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
+                                   for m, d in v.items()))  # fmt: skip
+    print()
+    for src in ("arithmetic", "gsm8k"):
+        print(src, {n: (m[f"by_source_{src}"]["hit1"], m[f"by_source_{src}"]["auroc"])
+                    for n, m in r["methods"].items()})  # fmt: skip
+    best = sorted(r["sweep"], key=lambda x: -(x["hit1"] or 0))[:5]
+    print("\nsweep best hit1:", best)
+    print("sweep default:", [x for x in r["sweep"] if x["tau_onset"] == 0.1
+                             and x["delta_entropy"] == 0.1])  # fmt: skip
+    nat = r["natural"]
+    print("\nnatural:", {k: v for k, v in nat.items() if k not in ("methods", "profile")})
+    for name, m in nat.get("methods", {}).items():
+        print(f"| `{name}` | {_ci(m, 'hit1')} | {_ci(m, 'hit1_token')} | "
+              f"{_ci(m, 'blame_after_share')} | {_ci(m, 'auroc')} | "
+              f"{_ci(m, 'weight_spread_pos')} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("stage", choices=["signals", "natural", "metrics"])
+    ap.add_argument("stage", choices=["signals", "natural", "metrics", "table"])
     ap.add_argument("--gsm8k", type=int, default=45, help="GSM8K problems (<= 5 errors each).")
     ap.add_argument("--arithmetic", type=int, default=150, help="Multistep problems (2 x 2 each).")
     ap.add_argument("--natural-prompts", type=int, default=40)
@@ -973,7 +1019,9 @@ def main() -> None:
     )
     ap.add_argument("--cache", default=str(CACHE), help="Signal cache directory.")
     args = ap.parse_args()
-    {"signals": run_signals, "natural": run_natural, "metrics": run_metrics}[args.stage](args)
+    stages = {"signals": run_signals, "natural": run_natural, "metrics": run_metrics}
+    stages["table"] = run_table
+    stages[args.stage](args)
 
 
 if __name__ == "__main__":

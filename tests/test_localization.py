@@ -128,7 +128,8 @@ def test_gear_weights_pick_the_error_when_kl_spikes_there():
     kl[err] = 2.0
     entropy = [1.0] * 9 + [3.0] * 3  # an entropy rise at token 9 ends the segment of onset 7
     rec = {"ids": list(range(n)), "kl": kl, "entropy": entropy,
-           "lp_s": [-1.0] * n, "lp_t": [-1.0] * n, "error": err, "step": [5, 9]}  # fmt: skip
+           "lp_s": [-1.0] * n, "lp_t": [-1.0] * n, "error": err, "step": [5, 9],
+           "case": {"group": "g0"}}  # fmt: skip
     ev = loc.evaluate_method([rec], [], "gear")
     # segment = tokens 7, 8; tokens 9-11 have d~ = 0 and tie with the 7 tokens before the error
     assert ev["rows"][0]["hit1"] == 1.0
@@ -145,3 +146,12 @@ def test_grouped_bootstrap_resamples_problems_not_rows():
     assert (mean, n) == (0.5, 10) and lo == 0.0 and hi == 1.0  # two problems: anything goes
     _, (lo_rows, hi_rows), _ = loc.bootstrap_ci(values)
     assert lo_rows > 0.1 and hi_rows < 0.9  # ten independent rows: a narrower interval
+
+
+def test_sampled_token_signals():
+    lp_s, lp_t = torch.tensor([-1.0, -0.5, -3.0]), torch.tensor([-1.0, -2.5, -0.5])
+    torch.testing.assert_close(loc.sampled_token_signal(lp_s, lp_t, "k1"), lp_s - lp_t)
+    r = (lp_t - lp_s).exp()
+    torch.testing.assert_close(loc.sampled_token_signal(lp_s, lp_t, "k3"), r - 1 - r.log())
+    with pytest.raises(ValueError, match="estimator"):
+        loc.sampled_token_signal(lp_s, lp_t, "full")
