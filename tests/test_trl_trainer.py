@@ -560,3 +560,29 @@ def test_a_method_that_needs_the_teacher_still_names_the_missing_column(tmp_path
         make_trainer(tmp_path, tok, data=data, credit_method="gear_kl_only")
     with pytest.raises(ValueError, match=r"ground_truth_column.*'ground_truth'"):
         make_trainer(tmp_path, tok, data=data, loss_mode="self_distill", reward_funcs=None)
+
+
+def test_self_distill_has_no_loss_on_rows_without_ground_truth(tmp_path, tok, monkeypatch):
+    """OPSD follows the teacher; a row without ground truth has none, so none of its tokens
+    enters the KL."""
+    import gear.integrations.trl.self_distill as self_distill
+
+    data = dataset().map(
+        lambda row, i: {"ground_truth": None if i == 0 else row["ground_truth"]}, with_indices=True
+    )
+    trainer = make_trainer(tmp_path, tok, data=data, loss_mode="self_distill", reward_funcs=None)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    assert inputs["gear_has_hint"].tolist() == [row["ground_truth"] is not None for row in batch]
+    rows = []
+    real = self_distill.reverse_kl_from_hidden
+    monkeypatch.setattr(
+        self_distill,
+        "reverse_kl_from_hidden",
+        lambda s, *a, **k: rows.append(len(s)) or real(s, *a, **k),
+    )
+    trainer.compute_loss(trainer.model, inputs).backward()
+    hinted = inputs["completion_mask"].bool() & inputs["gear_has_hint"][:, None]
+    assert rows == [int(hinted.sum())] and 0 < rows[0] < int(inputs["completion_mask"].sum())
