@@ -66,6 +66,8 @@ def build_teacher(
         return AdapterTeacher.for_policy(
             lambda: trainer.accelerator.unwrap_model(trainer.model), args.teacher
         )
+    if is_deepspeed_zero3_enabled():
+        _init_deepspeed_comm()  # zero.Init sizes its partitions by DeepSpeed's world size
     if teacher_model is None:
         teacher = copy_of_policy(policy)
     else:
@@ -111,6 +113,16 @@ def copy_of_policy(policy: nn.Module) -> nn.Module:
         if name in buffers:
             buffer.copy_(buffers[name])
     return teacher
+
+
+def _init_deepspeed_comm() -> None:
+    """Attach DeepSpeed's communication layer to the running process group. HF Trainer does it
+    when it initialises the engine (in `train()`), but a model built under `zero.Init` before that
+    would be partitioned for a world size of 1."""
+    import deepspeed
+
+    if not deepspeed.comm.is_initialized() and torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
 def check_teacher_vocabulary(trainer: GEARTrainer, teacher: nn.Module, tokenizer: Any) -> None:
