@@ -314,6 +314,34 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+# Sampling settings that reshape the distribution tokens are drawn from (TRL's config fields and
+# keys of `generation_kwargs`, which override them), with their neutral values. GEAR's pi_S is
+# softmax(logits / T) over the whole vocabulary (spec §1), so under any of these the signals
+# describe a distribution the tokens were not sampled from (docs/vllm.md).
+SAMPLING_SHAPERS: dict[str, tuple] = {
+    "top_p": (1.0, None),
+    "top_k": (0, -1, None),
+    "min_p": (0.0, None),
+    "repetition_penalty": (1.0, None),
+    "typical_p": (1.0, None),
+    "presence_penalty": (0.0, None),
+    "frequency_penalty": (0.0, None),
+    "no_repeat_ngram_size": (0, None),
+}
+
+
+def sampling_shapers(args: Any) -> dict[str, Any]:
+    """The settings in effect (`generation_kwargs` over the config's fields) that change the
+    sampling distribution away from softmax(logits / T): name -> value, empty when none."""
+    overrides = args.generation_kwargs or {}
+    found = {}
+    for name, neutral in SAMPLING_SHAPERS.items():
+        value = overrides.get(name, getattr(args, name, None))
+        if value not in neutral:
+            found[name] = value
+    return found
+
+
 def sampling_temperature(trainer: Any) -> float:
     """The temperature generation sampled with: `generation_kwargs` override the config's
     `temperature`; greedy decoding (`do_sample=False`, or temperature 0 in vLLM) is scored at

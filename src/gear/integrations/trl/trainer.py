@@ -44,6 +44,7 @@ from gear.integrations.trl.states import (
     StudentStates,
     eval_mode,
     final_hidden,
+    sampling_shapers,
     sampling_temperature,
 )
 from gear.integrations.trl.teacher_model import (
@@ -165,6 +166,15 @@ class GEARTrainer(GRPOTrainer):
         # what this run computes: student signals (any requirement), a teacher (KL or its log-probs)
         self._needs_signals = self_distill or bool(requires)
         self._needs_teacher = self_distill or bool(set(requires) & {"kl", "teacher_logprobs"})
+        if self._needs_signals and (shapers := sampling_shapers(args)):
+            named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
+            warnings.warn(
+                f"GEARTrainer: {named} change the distribution completions are sampled from, "
+                "but the student signals use pi_S = softmax(logits / temperature) over the whole "
+                "vocabulary (spec §1), so KL, entropy and log-probs describe the unshaped "
+                "distribution; see docs/vllm.md",
+                stacklevel=2,
+            )
         if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
             for ds in (train_dataset, *(eval_datasets(eval_dataset))):
                 columns = getattr(ds, "column_names", None)
