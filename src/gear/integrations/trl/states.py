@@ -101,8 +101,8 @@ class StudentStates:
 
     # ----------------------------------------------------------------------------- capture
 
-    def generate(self, args_prompts: list, run: Callable[[], Any]) -> Any:
-        """Run TRL's single-turn generation (`run()`) of the prompt ids `args_prompts`, keeping
+    def generate(self, prompt_ids: list, run: Callable[[], Any]) -> Any:
+        """Run TRL's single-turn generation (`run()`) of the prompt ids `prompt_ids`, keeping
         its per-step states when armed."""
         t = self._trainer
         if self.source != GENERATION or self._captured is not None:
@@ -116,7 +116,7 @@ class StudentStates:
         # or sharded forwards would not pair up.
         completion_ids = out[0]
         longest = max((len(c) for c in completion_ids), default=0)
-        first = _first_decoding_call(steps.lengths, self._prompt_width(args_prompts))
+        first = _first_decoding_call(steps.lengths, self._prompt_width(prompt_ids))
         usable = (
             first is not None
             and 0 < longest <= len(steps) - first
