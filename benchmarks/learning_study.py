@@ -274,6 +274,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     args.eval_steps = set(args.eval_steps)
+    check_same_setup(cfg, args)
     log(f"learning study: methods {args.methods}, seeds {args.seeds}, env {environment()}")
     before_eval(cfg, args)
     todo = [(s, m) for s in args.seeds for m in args.methods]
@@ -295,6 +296,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     aggregate(args)
     log("study complete" if all_done(args) else "stopped before the study was complete")
     return 0
+
+
+def check_same_setup(cfg: dict[str, Any], args: argparse.Namespace) -> None:
+    """Finished runs must share the study's setup: a changed config or evaluation would mix two
+    studies in one table. Change them only together with a fresh results folder (--results)."""
+    for path in sorted(args.results.glob("*-seed*.json")):
+        done = json.loads(path.read_text())
+        for key, now in (
+            ("trainer", cfg["trainer"]),
+            ("task_options", cfg.get("task_options")),
+            ("eval_n", args.eval_n),
+        ):
+            if done.get(key) != now:
+                raise SystemExit(
+                    f"{path}: finished with {key}={done.get(key)!r}, but the study now has "
+                    f"{key}={now!r}; restore {args.config} or pass a new --results folder"
+                )
 
 
 def all_done(args: argparse.Namespace) -> bool:
@@ -400,7 +418,9 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         "task": f"{before['task']} {before.get('task_options') or {}}",
         "model": runs_raw[0]["model"] if runs_raw else None,
         "eval_n": before["n"],
-        "steps": runs_raw[0]["steps"] if runs_raw else None,
+        "steps": runs_raw[0]["steps"]
+        if runs_raw
+        else load_config(getattr(args, "config", CONFIG))["trainer"]["max_steps"],
         "complete": all_done(args),
         "runs_finished": len(runs),
         "runs_planned": planned,
@@ -446,6 +466,10 @@ def markdown(res: dict[str, Any]) -> str:
         f"held-out greedy pass@1 on {res['eval_n']} problems; before training "
         f"{res['before']:.3f} for every run. CPU capability `{(res['env'] or {}).get('cpu_capability')}`"
         f", torch threads {(res['env'] or {}).get('torch_threads')}, shared machine.",
+    ]
+    if not res["runs"]:
+        return "\n".join([*lines, "", "No run has finished yet."]) + "\n"
+    lines += [
         "",
         "| method | seed | before | mid | after | median s/step | train reward, last 5 steps |",
         "|---|---|---|---|---|---|---|",

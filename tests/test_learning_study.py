@@ -91,3 +91,17 @@ def test_aggregate_pairs_methods_per_seed_and_problem(tmp_path):
     # a trial study writes next to its runs, never over the committed files
     assert (tmp_path / "study" / "aggregate.json").is_file()
     assert "**partial**" in (tmp_path / "study" / "aggregate.md").read_text()
+
+
+def test_run_refuses_to_mix_a_changed_setup_into_finished_runs(tmp_path):
+    cfg = ls.load_config(ls.CONFIG)
+    done = {"method": "grpo", "seed": 0, "trainer": cfg["trainer"], "eval_n": 300}
+    done["task_options"] = cfg["task_options"]
+    (tmp_path / "grpo-seed0.json").write_text(json.dumps(done))
+    args = argparse.Namespace(results=tmp_path, eval_n=300, config=ls.CONFIG)
+    ls.check_same_setup(cfg, args)  # the same setup passes
+    changed = cfg | {"trainer": cfg["trainer"] | {"learning_rate": 2e-5}}
+    with pytest.raises(SystemExit, match="learning_rate"):
+        ls.check_same_setup(changed, args)
+    with pytest.raises(SystemExit, match="eval_n"):
+        ls.check_same_setup(cfg, argparse.Namespace(**{**vars(args), "eval_n": 100}))
