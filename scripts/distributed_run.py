@@ -244,8 +244,14 @@ def teacher_check(args, initial, steps, teacher, trainer) -> dict:
     exactly; EMA = the recursion T_k = d T_(k-1) + (1 - d) theta_k over the recorded steps."""
     if args.teacher == "current":
         return {"ok": trainer.teacher_model is None}
-    if args.peft:  # the frozen teacher is the base model; the EMA holds adapter weights only
-        return {"ok": True, "skipped": "PEFT teachers are checked in tests/test_trl_peft.py"}
+    if args.peft:  # the policy itself: adapter disabled (frozen) or float32 EMA adapter values
+        values = trainer.teacher_model.values
+        owns = sum(p.numel() for p in trainer.teacher_model.parameters())
+        if args.teacher == "frozen":
+            return {"ok": values is None and owns == 0, "owned_parameters": owns}
+        fp32 = all(v.dtype == torch.float32 for v in values.values())
+        adapter_only = all(".lora_" in n for n in values)
+        return {"ok": owns == 0 and fp32 and adapter_only, "ema_tensors": len(values)}
     if args.resume:  # the recursion started before the checkpoint: compare with a full run
         return {"ok": True, "skipped": "resumed run"}
     if set(initial) != set(teacher):

@@ -90,7 +90,9 @@ def run_teachers(
     return verdicts
 
 
-def assert_lockstep(verdict: dict[str, Any], backend: str, teacher: str, steps: int = 2) -> None:
+def assert_lockstep(
+    verdict: dict[str, Any], backend: str, teacher: str, steps: int = 2, peft: bool = False
+) -> None:
     """Both ranks trained `steps` steps on gloo, ended with the same full weights and teacher,
     ran the same GEAR forwards, and the teacher holds what it should."""
     ranks = verdict["ranks"]
@@ -103,7 +105,8 @@ def assert_lockstep(verdict: dict[str, Any], backend: str, teacher: str, steps: 
         # the weights are really sharded the way the backend shards them
         expected = {"zero3": "zero3-partitioned", "fsdp2": "dtensor"}.get(backend, "full")
         assert r["policy_storage"] == expected, r
-        if teacher != "current":
-            assert r["teacher_storage"] == expected, r
+        if teacher != "current":  # a PEFT teacher is the policy itself: it owns no tensor
+            assert r["teacher_storage"] == ("none" if peft else expected), r
+        assert r["peft"] == peft, r
     assert verdict["ok"] and verdict["identical_weights"] and verdict["same_gear_forward_passes"]
     assert verdict["policy_moved"] and verdict["teacher_ok"]

@@ -70,3 +70,39 @@ def test_deepspeed_zero3_frozen_teacher_from_a_path(tmp_path):
         tmp_path, "--backend", "zero3", "--teacher", "frozen", "--teacher-path", timeout=420
     )
     assert_lockstep(verdict, "zero3", "frozen")
+
+
+@pytest.mark.distributed
+@two_processes
+def test_deepspeed_zero3_peft_two_processes_with_each_teacher(tmp_path):
+    """LoRA under ZeRO-3: the frozen teacher disables the partitioned policy's adapter, the EMA
+    swaps its gathered adapter weights for the float32 average."""
+    verdicts = run_teachers(tmp_path, "zero3", ("current", "frozen", "ema"), "--peft", timeout=600)
+    for teacher, verdict in verdicts.items():
+        assert_lockstep(verdict, "zero3", teacher, peft=True)
+
+
+@pytest.mark.distributed
+@two_processes
+def test_deepspeed_zero3_ema_checkpoint_resumes_the_same_teacher(tmp_path):
+    """The EMA teacher, partitioned, is gathered into the checkpoint by every rank (full shapes)
+    and restored on resume: the continued run ends where the uninterrupted one did."""
+    from safetensors.torch import load_file
+
+    from gear.integrations.trl import TEACHER_FILE
+
+    full = run_two_processes(
+        tmp_path / "a", "--backend", "zero3", "--teacher", "ema", "--save", timeout=420
+    )
+    assert_lockstep(full, "zero3", "ema")
+    checkpoint = tmp_path / "a" / "checkpoint-1"
+    saved = load_file(checkpoint / TEACHER_FILE)
+    assert saved["model.embed_tokens.weight"].shape == (259, 32)  # not a size-0 shard
+    resumed = run_two_processes(
+        tmp_path / "b",
+        *("--backend", "zero3", "--teacher", "ema", "--resume", str(checkpoint)),
+        timeout=420,
+    )
+    assert resumed["ok"]
+    for key in ("param_checksum", "teacher_checksum"):
+        assert resumed["ranks"][0][key] == pytest.approx(full["ranks"][0][key], abs=1e-5)
