@@ -203,12 +203,12 @@ class GEARTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        if self.teacher_model is not None and self.args.should_save:
+        if self.teacher_model is not None:  # every rank: gathering a sharded teacher is collective
             folder = os.path.join(
                 self._get_output_dir(trial=trial),
                 f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}",
             )
-            save_teacher(self.accelerator.unwrap_model(self.teacher_model), folder)
+            save_teacher(self.teacher_model, folder, write=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
