@@ -91,6 +91,24 @@ def test_peft_frozen_teacher_is_the_policy_with_its_adapter_disabled(tmp_path, t
     assert trainer.state.log_history[1]["gear/kl_mean"] > 0
 
 
+def test_peft_frozen_teacher_of_a_pretrained_adapter_keeps_its_initial_values(tmp_path, tok):
+    """A `PeftModel` whose adapter is not the identity (here random B): disabling it would give
+    the base model, not the initial policy, so the teacher swaps in the initial adapter."""
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = peft.get_peft_model(tiny_model(tok), config)
+    initial = logits(model)
+    assert (initial - logits(tiny_model(tok))).abs().max() > 1e-3  # not the base model
+    trainer = make_trainer(tmp_path, tok, model=model, teacher="frozen", max_steps=2)
+    trainer.train()
+    teacher = trainer.teacher_model
+    assert list(teacher.parameters()) == [] and teacher.values is not None
+    assert (logits(trainer.model) - initial).abs().max() > 1e-3  # the adapter trained
+    torch.testing.assert_close(logits(teacher), initial, rtol=0, atol=1e-5)
+
+
 def test_peft_ema_teacher_averages_the_adapter_weights_in_float32(tmp_path, tok):
     decay = 0.5
     trainer = make_trainer(
