@@ -14,7 +14,7 @@ greedy pass@1, keeping each problem's correctness, so differences can be bootstr
 Resumability is per finished run: a finished run writes
 `benchmarks/results/learning_study/<method>-seed<k>.json` (evaluations with per-problem
 correctness, per-step metrics, timings), which is small enough to commit; `run` skips every run
-that has one. A run interrupted inside one machine session continues from its last checkpoint
+that has one. A run interrupted inside one machine session continues from its last complete checkpoint
 under `--work` (gitignored: checkpoints are ~1.6 GB); a run interrupted by a fresh work tree
 starts over. Order: seed 0 grpo, seed 0 gear, seed 1 grpo, ... so finished pairs accumulate.
 
@@ -191,6 +191,30 @@ def make_callback(task: Any, tokenizer: Any, run_dir: Path, args: argparse.Names
     return StudyCallback()
 
 
+def last_complete_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that was written to the end. A kill during a save leaves a
+    checkpoint without trainer_state.json (the Trainer writes it last); it is removed, since
+    resuming from it fails and the checkpoint rotation would count it."""
+    found = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    for path in reversed(found):
+        if (path / "trainer_state.json").is_file() and (path / "rng_state.pth").is_file():
+            return path
+        shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
+def forget_after(run_dir: Path, step: int) -> None:
+    """Drop metrics and evaluations of steps after `step`: a lost attempt's, to be redone."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        keep = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
+        keep = [ln for ln in keep if json.loads(ln)["step"] <= step]
+        metrics.write_text("".join(ln + "\n" for ln in keep))
+    for path in (run_dir / "evals").glob("step-*.json"):
+        if int(path.stem.split("-")[1]) > step:
+            path.unlink()
+
+
 def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namespace) -> Path:
     """Train (or resume) one run; write its result file; return that file."""
     import torch
@@ -225,15 +249,11 @@ def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namesp
         **task.trainer_kwargs(),
     )
     trainer.remove_callback(PrinterCallback)
-    checkpoint = any(run_dir.glob("checkpoint-*"))
-    if not checkpoint:  # a fresh start: drop what an earlier, lost attempt left behind
-        for stale in (run_dir / "metrics.jsonl", run_dir / "evals"):
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(
-                missing_ok=True
-            )
-    log(f"{method} seed {seed}: {'resuming' if checkpoint else 'starting'} in {run_dir}")
+    checkpoint = last_complete_checkpoint(run_dir)
+    forget_after(run_dir, int(checkpoint.name.split("-")[1]) if checkpoint else 0)
+    log(f"{method} seed {seed}: {f'resuming from {checkpoint.name}' if checkpoint else 'starting'}")
     t0 = time.time()
-    trainer.train(resume_from_checkpoint=True if checkpoint else None)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     train_seconds = time.time() - t0
     steps = targs.max_steps
     final = held_out(trainer.model, tokenizer, task, args) | {"step": steps}
@@ -255,7 +275,7 @@ def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namesp
         "evals": [*evals, final],
         "metrics": metrics,
         "train_seconds_this_attempt": round(train_seconds, 1),
-        "resumed": checkpoint,
+        "resumed_from": checkpoint.name if checkpoint else None,
         "trainer": cfg["trainer"],
         "finished": datetime.now(UTC).isoformat(timespec="seconds"),
         "env": environment(),

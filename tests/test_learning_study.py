@@ -105,3 +105,26 @@ def test_run_refuses_to_mix_a_changed_setup_into_finished_runs(tmp_path):
         ls.check_same_setup(changed, args)
     with pytest.raises(SystemExit, match="eval_n"):
         ls.check_same_setup(cfg, argparse.Namespace(**{**vars(args), "eval_n": 100}))
+
+
+def test_resume_skips_a_checkpoint_cut_off_mid_save_and_forgets_later_steps(tmp_path):
+    for step, complete in ((10, True), (20, True), (30, False)):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        (ckpt / "model.safetensors").write_text("x")
+        if complete:
+            (ckpt / "trainer_state.json").write_text("{}")
+            (ckpt / "rng_state.pth").write_text("x")
+    assert ls.last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-20"
+    assert not (tmp_path / "checkpoint-30").exists()  # would be picked as the latest, and fail
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "reward": 0.5}) + "\n" for s in range(1, 26))
+    )
+    (tmp_path / "evals").mkdir()
+    for s in (20, 25):
+        (tmp_path / "evals" / f"step-{s:04d}.json").write_text("{}")
+    ls.forget_after(tmp_path, 20)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))
+    assert [p.name for p in (tmp_path / "evals").iterdir()] == ["step-0020.json"]
+    assert ls.last_complete_checkpoint(tmp_path / "nothing") is None
