@@ -14,9 +14,9 @@ greedy pass@1, keeping each problem's correctness, so differences can be bootstr
 Resumability is per finished run: a finished run writes
 `benchmarks/results/learning_study/<method>-seed<k>.json` (evaluations with per-problem
 correctness, per-step metrics, timings), which is small enough to commit; `run` skips every run
-that has one. A run interrupted inside one machine session continues from its last complete checkpoint
-under `--work` (gitignored: checkpoints are ~1.6 GB); a run interrupted by a fresh work tree
-starts over. Order: seed 0 grpo, seed 0 gear, seed 1 grpo, ... so finished pairs accumulate.
+that has one. A run interrupted inside one machine session continues from its last complete
+checkpoint under `--work` (gitignored: checkpoints are ~1.6 GB); a run interrupted by a fresh
+work tree starts over. Order: seed 0 grpo, seed 0 gear, seed 1 grpo, ... so finished pairs accumulate.
 
 Progress lines go to stdout (one per step and per evaluation); run it with `nohup nice -n 19`.
 """
