@@ -90,7 +90,7 @@ def train(
     steps: Annotated[int | None, typer.Option(help="Optimiser steps (max_steps).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
     output_dir: Annotated[
-        str | None, typer.Option(help="Run directory (default runs/<task>-<method>-...).")
+        str | None, typer.Option(help="Run directory (default runs/TASK-METHOD-seedN-TIME).")
     ] = None,
     resume: Annotated[
         Path | None,
