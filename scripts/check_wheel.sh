@@ -13,7 +13,12 @@ PY="$ROOT/.venv/bin/python"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" . 2>&1 | grep -v "is ignored" || true
+# Build from a copy of what the wheel is made of (tracked and new files), so that no build/
+# directory is left in the checkout and no stale build/lib file can slip into the wheel.
+mkdir -p "$WORK/tree"
+git ls-files -co --exclude-standard -z -- pyproject.toml README.md src \
+  | xargs -0 cp --parents -t "$WORK/tree"
+"$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$WORK/tree" 2>&1 | grep -v "is ignored" || true
 WHEEL=$(ls "$WORK"/dist/gear_rl-*.whl)
 "$PY" -m venv --without-pip "$WORK/venv"
 SITE=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')

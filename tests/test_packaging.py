@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -50,8 +51,17 @@ def _setuptools_77() -> bool:
 
 @pytest.mark.skipif(not _setuptools_77(), reason="needs setuptools>=77 in the venv (no download)")
 def test_the_wheel_contains_the_recipes_and_gear_testing(tmp_path):
+    # build from a copy: no build/ left in the checkout, no stale build/lib file in the wheel
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "--", "pyproject.toml", "README.md", "src"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    tree = tmp_path / "tree"
+    for name in files:
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tree / name)
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*cmd, "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    subprocess.run([*cmd, "-w", str(tmp_path), str(tree)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("gear_rl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for recipe in recipe_names():
