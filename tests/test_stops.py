@@ -189,3 +189,28 @@ def test_last_checkpoint_ignores_staging_leftovers(tmp_path):
     (tmp_path / STAGING / "checkpoint-11").mkdir(parents=True)
     assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
     assert last_checkpoint(tmp_path / "nothing") is None
+
+
+def test_atomic_checkpoints_keep_the_ema_teachers_weights_in_the_published_checkpoint(tmp_path):
+    """GEARTrainer adds its teacher's weights to each checkpoint; the staging redirect must
+    carry them into the renamed checkpoint, and rotation must keep `save_total_limit`."""
+    from gear.integrations.trl import GEARTrainer
+    from gear.integrations.trl.config import GEARConfig
+    from gear.run_callbacks import atomic_checkpoints
+    from gear.testing import byte_tokenizer, dataset, fast_kwargs, hash_reward, tiny_model
+
+    tok = byte_tokenizer()
+    args = GEARConfig(**fast_kwargs(
+        tmp_path, max_steps=3, save_strategy="steps", save_steps=1, save_total_limit=2,
+        teacher="ema",
+    ))  # fmt: skip
+    trainer = GEARTrainer(
+        model=tiny_model(tok), reward_funcs=hash_reward, args=args, train_dataset=dataset(8),
+        processing_class=tok,
+    )  # fmt: skip
+    atomic_checkpoints(trainer).train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    for checkpoint in tmp_path.glob("checkpoint-*"):
+        assert_complete(checkpoint)
+        assert (checkpoint / "gear_teacher.safetensors").is_file()
+    assert not (tmp_path / STAGING).exists()
