@@ -65,9 +65,12 @@ class GearVerlConfig:
     kl_estimator: str = "full"
     kl_topk: int = 64
     signal_chunk_size: int = DEFAULT_CHUNK
-    """Tokens per chunk when turning logits into KL / entropy (bounds the float32 temporaries)."""
+    """Tokens per chunk of logits formed from the final hidden states (bounds the temporaries:
+    three (signal_chunk_size, V) float32 tensors)."""
     teacher_micro_batch_size_per_gpu: int = 4
-    """Rows per forward in the worker's student+teacher pass (each keeps (rows, T, V) logits)."""
+    """At most this many rows per teacher forward: verl's old-log-prob micro-batches (its
+    log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz's token budget, which the teacher
+    forwards also honour) are split further when larger."""
     grpo_epsilon: float = 1e-4
     """GRPO: (r - mean) / (std + epsilon) (spec §1); algorithm.norm_adv_by_std_in_grpo applies."""
     credit_log_steps: int = 0
