@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 from gear.cli import app
 from gear.models import tiny_model_and_tokenizer
 from gear.precision import cpu_capability, native_cpu_bf16
+from gear.run import resolve_config
 
 runner = CliRunner()
 TINY = [
@@ -107,6 +109,19 @@ def test_dry_run_checks_and_prints_the_config_and_writes_nothing(tmp_path):
     assert result.exit_code == 0, result.output
     assert "learning_rate: 2.0e-06" in result.output and "precision:" in result.output
     assert not out.exists()
+
+
+def test_set_values_are_converted_only_where_lossless_and_stay_plain_yaml():
+    cfg = resolve_config(
+        None,
+        {"max_steps": 1e3, "learning_rate": 1, "lr_scheduler_type": "cosine", "run_name": 7,
+         "report_to": "none", "bf16": "auto", "task_options": {"digits": 2}},
+    )  # fmt: skip
+    assert cfg.trainer["max_steps"] == 1000 and isinstance(cfg.trainer["max_steps"], int)
+    assert cfg.trainer["learning_rate"] == 1 and cfg.trainer["run_name"] == "7"
+    assert cfg.trainer["lr_scheduler_type"] == "cosine" and cfg.task_options == {"digits": 2}
+    text = yaml.safe_dump(dataclasses.asdict(cfg))  # what config.yaml holds
+    assert yaml.safe_load(text)["trainer"]["lr_scheduler_type"] == "cosine"
 
 
 def test_resume_continues_from_the_last_checkpoint(run_dir):

@@ -198,10 +198,8 @@ def _coerce(value: Any, hint: Any, strict: bool) -> Any:
             return str(value)  # YAML read `run_name=7` as a number
         raise _Mismatch
     if isinstance(hint, type) and issubclass(hint, Enum):
-        if isinstance(value, hint):
-            return value
-        if value in {m.value for m in hint}:
-            return hint(value)
+        if isinstance(value, hint) or value in {m.value for m in hint}:
+            return value  # kept as written: config.yaml stays plain YAML
         raise _Mismatch
     if isinstance(hint, type):
         if isinstance(value, hint):
