@@ -193,8 +193,10 @@ def corrupt(
     a, b = span
     new = wrong_number(text[a:b], rng)
     out = text[:a] + new + text[b:]
-    err = a + first_difference(text[a:b], new)
-    return out, err, a + len(new), step_span(out, a, separators), new
+    # first differing character of the whole texts: when the new number is a prefix of the old
+    # one ("10" -> "1") it is the character after the number
+    err = a + first_difference(text[a:], out[a:])
+    return out, err, max(a + len(new), err + 1), step_span(out, a, separators), new
 
 
 def injected_cases(
@@ -582,8 +584,11 @@ def run_natural(args: argparse.Namespace) -> None:
                 stated = text[wrong[0] : wrong[1]]
                 m = next(m for m in EQUATION.finditer(text) if m.span(4) == wrong)
                 value = evaluate_expression(m.group(1))
-                right = f"{value:g}"
-                case.error_char = wrong[0] + first_difference(stated, right)
+                right = str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+                # a stated number that is a prefix of the right one ("12" for "123") is wrong
+                # from its last character on
+                diff = min(first_difference(stated, right), len(stated) - 1)
+                case.error_char = wrong[0] + diff
                 case.number_end = wrong[1]
                 case.step = (m.start(), wrong[1])
                 case.detail = {"stated": stated, "correct": right}

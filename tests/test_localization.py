@@ -155,3 +155,16 @@ def test_sampled_token_signals():
     torch.testing.assert_close(loc.sampled_token_signal(lp_s, lp_t, "k3"), r - 1 - r.log())
     with pytest.raises(ValueError, match="estimator"):
         loc.sampled_token_signal(lp_s, lp_t, "full")
+
+
+def test_a_new_number_that_is_a_prefix_of_the_old_one_errs_after_it():
+    text = "7 * 2 = 10, then 10 - 8 = 2."
+
+    class Fixed(random.Random):  # wrong_number draws delta = -9: 10 -> 1
+        def choice(self, seq):
+            return -9
+
+    bad, err, end, step, new = loc.corrupt(text, (8, 10), Fixed(0), (", ", ". "))
+    assert (bad, new) == ("7 * 2 = 1, then 10 - 8 = 2.", "1")
+    assert err == 9 and bad[err] == "," and end == 10  # the ',' is the first wrong character
+    assert bad[step[0] : step[1]] == "7 * 2 = 1"
