@@ -746,7 +746,7 @@ def _clean_aligned(bad: list[dict[str, Any]], good: list[dict[str, Any]]) -> lis
     (tokens before the error are identical, so the KL there is too)."""
     clean = {r["case"]["group"]: r for r in good}
     return [
-        {**clean[r["case"]["group"]], "error": r["error"]}
+        {**clean[r["case"]["group"]], "error": r["error"], "step": r["step"]}
         for r in bad
         if r["case"]["group"] in clean
     ]
@@ -821,6 +821,16 @@ def run_metrics(args: argparse.Namespace) -> None:
                     k: paired(ev, evs["random"], k) for k in ("hit1", "auroc")
                 }
             print(f"[{est}] {name:14s} hit1 {s['hit1']:.3f} {s['hit1_ci']}  auroc {s['auroc']:.3f}")
+    # Placebo: each corrupted row's clean twin scored as if failed (A = -1), error index kept.
+    # Whatever a method "finds" there is where the reference helps, not the error.
+    placebo = _clean_aligned(bad, good)
+    payload["placebo_clean_rows"] = {"note": "clean twin of each corrupted row, A = -1"}
+    for name in ("gear", "gear_token", "random", "grpo"):
+        s = summarise(evaluate_method(placebo, [], name))
+        payload["placebo_clean_rows"][name] = {
+            k: s[k] for k in ("hit1", "hit1_ci", "auroc", "auroc_ci", "blame_after_share")
+        }
+        print(f"[placebo] {name:10s} hit1 {s['hit1']:.3f} {s['hit1_ci']}  auroc {s['auroc']:.3f}")
     payload["sweep"] = _sweep(bad)
     payload["profile"] = {
         "offsets": list(range(-6, 7)),
