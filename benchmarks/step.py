@@ -248,6 +248,7 @@ def main() -> None:
         before = by["gear_unshared"]
         extra = {
             "ratio_unshared": before["wall_s"] / grpo["wall_s"],
+            "ratio_unshared_cpu": before["cpu_s"] / grpo["cpu_s"],
             "paired_ratios_unshared": [
                 p["gear_unshared"] / p["grpo"]
                 for p in per_pair.values()
@@ -271,6 +272,7 @@ def main() -> None:
             "rows": rows,
             "summary": summary,
             "ratio": ratio,
+            "ratio_cpu": gear["cpu_s"] / grpo["cpu_s"],
             "paired_ratios": pair_ratios,
             **extra,
             "credit_share": credit_share,
