@@ -638,7 +638,9 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
 
     Row 1 is multi-turn (a tool observation, response_mask 0), row 4 has no ground truth (the
     teacher is the student). Checks the teacher prompts, the signals against an unpadded
-    single-row forward, and the advantages against gear.credit on the same signals."""
+    single-row forward, and the advantages against gear.credit on the same signals, where row 4
+    has no teacher (spec §4): weight 1, its sequence advantage on every token, counted as the one
+    fallback row (the padding row is not)."""
     from omegaconf import OmegaConf
     from transfer_queue import KVBatchMeta
     from verl.trainer.ppo.v1 import trainer_sync
@@ -715,7 +717,7 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
     assert worker_group.calls == 1
     assert metrics["gear/rows_without_ground_truth"] == 1.0
 
-    names = ["gear_teacher_prompts", *SIGNAL_FIELDS.values()]
+    names = ["gear_teacher_prompts", "gear_has_hint", *SIGNAL_FIELDS.values()]
     got = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=names)
     cfg = trainer.gear_settings.gear
     for i in range(7):
@@ -729,6 +731,7 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
         for name, field in SIGNAL_FIELDS.items():
             torch.testing.assert_close(got[field][i], getattr(ref, name)[0], rtol=1e-4, atol=1e-5)
     assert float(got["gear_kl"][4].abs().max()) < 1e-5  # no hint: teacher = student
+    assert got["gear_has_hint"].tolist() == [True] * 4 + [False, True, False]
 
     metrics = {}
     trainer._compute_advantage(batch, metrics)
@@ -740,8 +743,12 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
         return torch.stack([torch.nn.functional.pad(r.float(), (0, width - len(r))) for r in rows])
 
     sig = {f: pad(list(got[f].unbind())) for f in SIGNAL_FIELDS.values()}
+    for f in ("gear_kl", "gear_teacher_logprobs"):  # row 4 has no teacher: gear.credit's fallback
+        sig[f][4] = torch.nan
     rewards = pad([r["rm_scores"] for r in rows])
     want = expected_token_advantages(rewards, pad(masks).long(), uids, sig, "gear")
+    seq = grpo_advantages(rewards.sum(-1), uids)
+    assert metrics["gear/fallback_rows"] == 1.0
     adv = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=["advantages"])[
         "advantages"
     ]
@@ -749,6 +756,7 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
         torch.testing.assert_close(adv[i], want[i, : len(responses[i])])
     assert bool((adv[1][masks[1] == 0] == 0).all())  # tool observation tokens: no credit
     assert bool((adv[6] == 0).all())  # verl's padding row
+    torch.testing.assert_close(adv[4], seq[4].expand(len(responses[4])))  # weight 1 (GRPO)
     record = run_dir / "credit" / "step_000003.jsonl"
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert [r["row"] for r in lines] == [0, 1, 2, 3] and lines[1]["valid"][2:4] == [False, False]

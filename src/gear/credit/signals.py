@@ -23,7 +23,7 @@ The entropy is always the full-vocabulary entropy of the student.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 ESTIMATORS = ("full", "topk", "k1", "k3")
 DEFAULT_CHUNK = 256
+#: the signals that compare with the teacher (a row without ground truth has no teacher)
+TEACHER_SIGNALS = ("kl", "teacher_logprobs")
 
 
 @dataclass
@@ -44,6 +46,27 @@ class TokenSignals:
     entropy: Tensor
     student_logprobs: Tensor
     teacher_logprobs: Tensor | None
+
+
+def without_teacher(
+    signals: Mapping[str, Tensor | None], has_teacher: Tensor
+) -> dict[str, Tensor | None]:
+    """Spec §4: the teacher signals (`TEACHER_SIGNALS`) of rows without a teacher become NaN.
+
+    A row without ground truth gets the student's prompt as its teacher, so its KL is numerical
+    noise between two identical prompts; NaN makes `credit_details` give the row weight 1
+    (plain GRPO) and count it in `fallback_rows`, instead of min-max stretching that noise.
+
+    Args:
+        signals: signal name (gear.credit names) -> (N, T) tensor or None; other names and None
+            values pass through unchanged.
+        has_teacher: (N,) bool, False for rows without a teacher.
+    """
+    none = ~has_teacher.to(torch.bool)[:, None]
+    return {
+        k: v.masked_fill(none, torch.nan) if k in TEACHER_SIGNALS and v is not None else v
+        for k, v in signals.items()
+    }
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:

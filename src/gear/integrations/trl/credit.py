@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_details
+from gear.credit.signals import TEACHER_SIGNALS, without_teacher
 
 SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
 
@@ -66,13 +66,7 @@ def batch_credit(
 
 def without_unhinted_rows(signals: TokenSignals, has_hint: Tensor) -> TokenSignals:
     """The signals for credit: rows without a hint (no ground truth) have no teacher, so their
-    teacher-dependent signals become NaN, which `credit_details` turns into weight 1 (GRPO)
-    and counts in gear/fallback_rows, instead of min-max stretching numerical noise."""
-    none = ~has_hint[:, None]
-    return dataclasses.replace(
-        signals,
-        kl=None if signals.kl is None else signals.kl.masked_fill(none, torch.nan),
-        teacher_logprobs=None
-        if signals.teacher_logprobs is None
-        else signals.teacher_logprobs.masked_fill(none, torch.nan),
-    )
+    teacher-dependent signals become NaN (`gear.credit.signals.without_teacher`): weight 1
+    (GRPO), counted in gear/fallback_rows."""
+    teacher = {k: getattr(signals, k) for k in TEACHER_SIGNALS}
+    return dataclasses.replace(signals, **without_teacher(teacher, has_hint))

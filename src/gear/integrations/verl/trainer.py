@@ -17,7 +17,9 @@ are unchanged) with four small, documented overrides:
   ``gear_kl``, ``gear_entropy``, ``gear_student_logprobs``, ``gear_teacher_logprobs``.
 - ``_compute_advantage``: opens a `gear_batch` context with those signals (padded exactly like
   the batch verl builds) around verl's own ``_compute_advantage``, whose estimator call then finds
-  them; logs the spec §5 statistics and, when due, writes a credit record.
+  them (rows without a hint, marked by ``gear_has_hint``, get NaN teacher signals: weight 1,
+  counted in ``gear/fallback_rows``, spec §4); logs the spec §5 statistics and, when due, writes
+  a credit record.
 
 Tool observation tokens (``response_mask`` = 0 in verl's agent loop) are part of both forwards
 (the teacher scores exactly the rollout's tokens) and excluded from every statistic and weight by
@@ -43,6 +45,7 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from gear.credit.signals import without_teacher
 from gear.integrations.verl.config import TRAINER_MODE, validate_verl_config
 from gear.integrations.verl.estimators import SIGNAL_FIELDS, GearBatch, gear_batch
 from gear.integrations.verl.teacher_inputs import TOOL_AGENT, as_messages, build_teacher_prompts
@@ -50,6 +53,8 @@ from gear.integrations.verl.teacher_pass import FUSED_KEY, _rows, nested
 
 logger = logging.getLogger(__name__)
 TEACHER_PROMPTS_FIELD = "gear_teacher_prompts"
+#: (N,) bool, False for rows whose teacher prompt has no hint (no ground truth, or padding)
+HAS_HINT_FIELD = "gear_has_hint"
 #: what GEAR's own student + teacher pass reads (verl's bypass mode)
 GEAR_INPUT_FIELDS = (
     "input_ids",
@@ -252,7 +257,8 @@ class GearPPOTrainer(PPOTrainerSync):
 
     def _put_teacher_prompts(self, batch: Any, metrics: dict) -> dict[str, Any]:
         """Build each row's teacher prompt (here, in the task runner), put it into the batch as
-        ``gear_teacher_prompts``, and return the worker's teacher-pass options."""
+        ``gear_teacher_prompts`` (and whether it has a hint as ``gear_has_hint``), and return the
+        worker's teacher-pass options."""
         g = self.gear_settings.gear
         t0 = time.perf_counter()
         data = self._fetch(batch, self._gear_row_fields())
@@ -276,7 +282,13 @@ class GearPPOTrainer(PPOTrainerSync):
         tq.kv_batch_put(
             keys=batch.keys,
             partition_id=batch.partition_id,
-            fields=TensorDict({TEACHER_PROMPTS_FIELD: teacher}, batch_size=[len(batch.keys)]),
+            fields=TensorDict(
+                {
+                    TEACHER_PROMPTS_FIELD: teacher,
+                    HAS_HINT_FIELD: torch.tensor(built.has_hint, dtype=torch.bool),
+                },
+                batch_size=[len(batch.keys)],
+            ),
         )
         metrics.update(
             {
@@ -299,16 +311,24 @@ class GearPPOTrainer(PPOTrainerSync):
 
     def _gear_context(self, batch: Any) -> GearBatch:
         s = self.gear_settings
-        needed = [SIGNAL_FIELDS[name] for name in self._required_signals()]
+        required = self._required_signals()
+        needed = [SIGNAL_FIELDS[name] for name in required]
         data = tq.kv_batch_get(
             keys=batch.keys,
             partition_id=batch.partition_id,
-            select_fields=["response_mask", *needed],
+            select_fields=["response_mask", *needed, *([HAS_HINT_FIELD] if needed else [])],
         )
         padded = data.to_padded_tensor()  # the same padding verl applies to the batch it builds
+        signals = {name: padded[SIGNAL_FIELDS[name]].float() for name in required}
+        if needed:  # spec §4: a real row without a hint has no teacher -> weight 1, counted
+            padding = torch.tensor(
+                [bool(t.get("is_padding", False)) for t in batch.tags or [{}] * len(batch.keys)]
+            )
+            has_teacher = padded[HAS_HINT_FIELD].bool().reshape(-1).cpu() | padding
+            signals = without_teacher(signals, has_teacher.to(padded["response_mask"].device))
         sessions, final = session_info(list(batch.keys))
         return GearBatch(
-            signals={k: padded[k].float() for k in needed},
+            signals={SIGNAL_FIELDS[name]: v for name, v in signals.items()},
             response_mask=padded["response_mask"].bool(),
             params=self._batch_credit_params(),
             epsilon=s.gear.grpo_epsilon,
