@@ -77,8 +77,11 @@ def test_prefix_shared_teacher_pass_equals_plain_forward(llama, batch_size, side
         signals(student, want, llama, completion, policy),
         signals(student, got, llama, completion, policy),
     )
-    torch.testing.assert_close(b.kl, a.kl, atol=1e-5, rtol=0)
-    torch.testing.assert_close(b.entropy, a.entropy, atol=1e-5, rtol=0)
+    # 1e-5, relative where the value is large: this random teacher's KL reaches ~10 nats, where
+    # float32 rounding of a different summation order alone is ~1e-6 relative (CI saw 1.1e-5
+    # absolute at KL 10.0 with another thread count)
+    torch.testing.assert_close(b.kl, a.kl, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.entropy, a.entropy, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b.teacher_logprobs, a.teacher_logprobs, atol=1e-5, rtol=1e-5)
     assert a.kl[policy.bool()].mean() > 1e-2  # the teacher really differs from the student
 
