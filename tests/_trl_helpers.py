@@ -9,16 +9,18 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from gear.models import byte_tokenizer as models_byte_tokenizer
 from gear.models import smollm2_tokenizer, tiny_llama
+from gear.testing import dataset, fast_kwargs, hash_reward
+
+# re-exported: the tests import them from here, gear.testing holds the one copy
+__all__ = ["dataset", "fast_kwargs", "hash_reward"]
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -50,48 +52,6 @@ def tiny_model(
         num_key_value_heads=1,
         **config,
     )
-
-
-def dataset(n: int = 4) -> Dataset:
-    """Conversational prompts with a `ground_truth` column (and an `answer` for the reward)."""
-    return Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": f"What is {i} + {i + 3}?"}] for i in range(n)],
-            "ground_truth": [
-                f"{i} + {i + 3} = {2 * i + 3}. The answer is {2 * i + 3}." for i in range(n)
-            ],
-            "answer": [str(2 * i + 3) for i in range(n)],
-        }
-    )
-
-
-def hash_reward(completions: list, **kwargs: Any) -> list[float]:
-    """A deterministic reward that differs between completions (so advantages are non-zero)."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [int(hashlib.sha256(t.encode()).hexdigest(), 16) % 5 / 4.0 for t in texts]
-
-
-def fast_kwargs(output_dir: str | Path, **overrides: Any) -> dict[str, Any]:
-    """Config arguments for one quick CPU step (shared by GEARConfig and GRPOConfig)."""
-    values: dict[str, Any] = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=5e-2,
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    values.update(overrides)
-    return values
 
 
 def fast_config(output_dir: str | Path, **overrides: Any) -> Any:
