@@ -13,28 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 
-from gear.models import byte_tokenizer as models_byte_tokenizer
-from gear.models import smollm2_tokenizer, tiny_llama
-from gear.testing import dataset, fast_kwargs, hash_reward
+from gear.models import tiny_llama
+from gear.testing import byte_tokenizer, dataset, fast_kwargs, hash_reward, load_tokenizer
 
 # re-exported: the tests import them from here, gear.testing holds the one copy
-__all__ = ["dataset", "fast_kwargs", "hash_reward"]
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """gear's 259-id byte tokenizer (SmolLM2's special ids and chat template), left padding."""
-    tok = models_byte_tokenizer()
-    tok.padding_side = "left"
-    return tok
-
-
-def load_tokenizer() -> Any:
-    """SmolLM2-135M-Instruct's tokenizer (chat template included), without any download."""
-    tok = smollm2_tokenizer()
-    tok.padding_side = "left"
-    return tok
+__all__ = ["byte_tokenizer", "dataset", "fast_kwargs", "hash_reward", "load_tokenizer"]
 
 
 def tiny_model(
