@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import shutil
 import sys
@@ -64,6 +65,14 @@ METRIC_KEYS = (
 
 def log(message: str) -> None:
     print(f"[{datetime.now(UTC):%H:%M:%S}] {message}", flush=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: two study processes (one per method) may
+    aggregate at once, and a reader must never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def load_config(path: Path) -> dict[str, Any]:
@@ -140,7 +149,7 @@ def before_eval(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     ev |= {"task": cfg["task"], "task_options": cfg.get("task_options"), "step": 0}
     ev |= {"env": environment()}
     args.results.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ev))
+    write_atomic(path, json.dumps(ev))
     log(f"before: pass@1 {ev['acc']:.3f} ({ev['seconds']:.0f} s)")
     return ev
 
@@ -185,7 +194,7 @@ def make_callback(task: Any, tokenizer: Any, run_dir: Path, args: argparse.Names
             ev = held_out(model, tokenizer, task, args) | {"step": step}
             self.eval_seconds = ev["seconds"]
             path.parent.mkdir(exist_ok=True)
-            path.write_text(json.dumps(ev))
+            write_atomic(path, json.dumps(ev))
             log(f"  step {step}: held-out pass@1 {ev['acc']:.3f} ({ev['seconds']:.0f} s)")
 
     return StudyCallback()
@@ -282,7 +291,7 @@ def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namesp
     }
     args.results.mkdir(parents=True, exist_ok=True)
     out = args.results / f"{method}-seed{seed}.json"
-    out.write_text(json.dumps(result))
+    write_atomic(out, json.dumps(result))
     for ckpt in run_dir.glob("checkpoint-*"):  # the result file is all that is kept
         shutil.rmtree(ckpt, ignore_errors=True)
     return out
@@ -335,9 +344,21 @@ def check_same_setup(cfg: dict[str, Any], args: argparse.Namespace) -> None:
                 )
 
 
+def study_methods(args: argparse.Namespace) -> list[str]:
+    """The methods asked for and any other method with a finished run, in a fixed order. One
+    process per method (`run --methods gear`) shares the results folder with the others, and
+    its aggregate must report the whole study, not only its own runs."""
+    found = {json.loads(p.read_text()).get("method") for p in args.results.glob("*-seed*.json")}
+    union = set(args.methods) | found - {None}
+    known = ["grpo", "gear", "gear_token", "rlsd"]
+    return [m for m in known if m in union] + sorted(union - set(known))
+
+
 def all_done(args: argparse.Namespace) -> bool:
     return all(
-        (args.results / f"{m}-seed{s}.json").is_file() for s in args.seeds for m in args.methods
+        (args.results / f"{m}-seed{s}.json").is_file()
+        for s in args.seeds
+        for m in study_methods(args)
     )
 
 
@@ -364,6 +385,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         log("aggregate: no before.json yet")
         return {}
     before = json.loads(before_file.read_text())
+    methods_all = study_methods(args)
     runs_raw = [
         json.loads(p.read_text())
         for p in sorted(args.results.glob("*-seed*.json"))
@@ -372,7 +394,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     runs_raw.sort(
         key=lambda r: (
             r["seed"],
-            args.methods.index(r["method"]) if r["method"] in args.methods else 99,
+            methods_all.index(r["method"]) if r["method"] in methods_all else 99,
         )
     )
     rng = np.random.default_rng(0)
@@ -396,7 +418,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     by = {(r["method"], r["seed"]): r for r in runs_raw}
-    methods = [m for m in args.methods if any(k[0] == m for k in by)]
+    methods = [m for m in methods_all if any(k[0] == m for k in by)]
     per_method = {}
     for m in methods:
         seeds = sorted(s for (mm, s) in by if mm == m)
@@ -433,7 +455,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                 "seeds_negative": int((per_seed < 0).sum()),
             }
         paired[f"{a} - {b}"] = entry
-    planned = len(args.seeds) * len(args.methods)
+    planned = len(args.seeds) * len(methods_all)
     result = {
         "task": f"{before['task']} {before.get('task_options') or {}}",
         "model": runs_raw[0]["model"] if runs_raw else None,
@@ -462,9 +484,9 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
             args.results / "curve.png",
         )
     )
-    out_json.write_text(json.dumps(result, indent=1))
+    write_atomic(out_json, json.dumps(result, indent=1))
     md = markdown(result)
-    out_md.write_text(md)
+    write_atomic(out_md, md)
     if official:
         update_benchmarks_md(md)
     if runs:
@@ -544,7 +566,7 @@ def update_benchmarks_md(md: str) -> None:
         return
     head, rest = text.split(MARK_BEGIN, 1)
     _, tail = rest.split(MARK_END, 1)
-    BENCHMARKS_MD.write_text(f"{head}{MARK_BEGIN}\n{md}{MARK_END}{tail}")
+    write_atomic(BENCHMARKS_MD, f"{head}{MARK_BEGIN}\n{md}{MARK_END}{tail}")
 
 
 def plot(res: dict[str, Any], figure: Path) -> None:

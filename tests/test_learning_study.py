@@ -128,3 +128,17 @@ def test_resume_skips_a_checkpoint_cut_off_mid_save_and_forgets_later_steps(tmp_
     assert steps == list(range(1, 21))
     assert [p.name for p in (tmp_path / "evals").iterdir()] == ["step-0020.json"]
     assert ls.last_complete_checkpoint(tmp_path / "nothing") is None
+
+
+def test_one_process_per_method_aggregates_the_whole_study(tmp_path):
+    """`run --methods gear` and `run --methods grpo` share one results folder; either one's
+    aggregate reports both methods, pairs them, and counts the plan over both."""
+    _write_study(tmp_path / "study")
+    args = argparse.Namespace(
+        results=tmp_path / "study", methods=["gear"], seeds=[0, 1, 2], reps=50
+    )
+    res = ls.aggregate(args)
+    assert list(res["methods"]) == ["grpo", "gear"]
+    assert res["runs_planned"] == 6 and res["complete"]
+    assert res["paired"]["gear - grpo"]["seeds"] == [0, 1, 2]
+    assert [(r["method"], r["seed"]) for r in res["runs"]][:2] == [("grpo", 0), ("gear", 0)]
