@@ -507,7 +507,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"updated {res['updated']}). Task `{res['task']}`, {res['steps']} steps per run, "
         f"held-out greedy pass@1 on {res['eval_n']} problems; before training "
         f"{res['before']:.3f} for every run. CPU capability `{(res['env'] or {}).get('cpu_capability')}`"
-        f", torch threads {(res['env'] or {}).get('torch_threads')}, shared machine.",
+        f", torch threads {(res['env'] or {}).get('torch_threads')} per process.",
     ]
     if not res["runs"]:
         return "\n".join([*lines, "", "No run has finished yet."]) + "\n"
