@@ -323,7 +323,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.max_runs -= 1
         aggregate(args)
     aggregate(args)
-    log("study complete" if all_done(args) else "stopped before the study was complete")
+    log(
+        "study complete"
+        if all_done(args, finished_runs(args.results))
+        else "stopped before the study was complete"
+    )
     return 0
 
 
@@ -344,22 +348,24 @@ def check_same_setup(cfg: dict[str, Any], args: argparse.Namespace) -> None:
                 )
 
 
-def study_methods(args: argparse.Namespace) -> list[str]:
+def finished_runs(results: Path) -> list[dict[str, Any]]:
+    """Every finished run's result file in `results`, each read once."""
+    runs = [json.loads(p.read_text()) for p in sorted(results.glob("*-seed*.json"))]
+    return [r for r in runs if r.get("method")]
+
+
+def study_methods(asked: list[str], runs: list[dict[str, Any]]) -> list[str]:
     """The methods asked for and any other method with a finished run, in a fixed order. One
     process per method (`run --methods gear`) shares the results folder with the others, and
     its aggregate must report the whole study, not only its own runs."""
-    found = {json.loads(p.read_text()).get("method") for p in args.results.glob("*-seed*.json")}
-    union = set(args.methods) | found - {None}
+    union = set(asked) | {r["method"] for r in runs}
     known = ["grpo", "gear", "gear_token", "rlsd"]
     return [m for m in known if m in union] + sorted(union - set(known))
 
 
-def all_done(args: argparse.Namespace) -> bool:
-    return all(
-        (args.results / f"{m}-seed{s}.json").is_file()
-        for s in args.seeds
-        for m in study_methods(args)
-    )
+def all_done(args: argparse.Namespace, runs: list[dict[str, Any]]) -> bool:
+    done = {(r["method"], r["seed"]) for r in runs}
+    return all((m, s) in done for s in args.seeds for m in study_methods(args.methods, runs))
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -385,18 +391,9 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         log("aggregate: no before.json yet")
         return {}
     before = json.loads(before_file.read_text())
-    methods_all = study_methods(args)
-    runs_raw = [
-        json.loads(p.read_text())
-        for p in sorted(args.results.glob("*-seed*.json"))
-        if json.loads(p.read_text()).get("method")
-    ]
-    runs_raw.sort(
-        key=lambda r: (
-            r["seed"],
-            methods_all.index(r["method"]) if r["method"] in methods_all else 99,
-        )
-    )
+    runs_raw = finished_runs(args.results)
+    methods_all = study_methods(args.methods, runs_raw)
+    runs_raw.sort(key=lambda r: (r["seed"], methods_all.index(r["method"])))
     rng = np.random.default_rng(0)
     runs = []
     for r in runs_raw:
@@ -463,7 +460,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         "steps": runs_raw[0]["steps"]
         if runs_raw
         else load_config(getattr(args, "config", CONFIG))["trainer"]["max_steps"],
-        "complete": all_done(args),
+        "complete": all_done(args, runs_raw),
         "runs_finished": len(runs),
         "runs_planned": planned,
         "before": before["acc"],
