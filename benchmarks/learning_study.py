@@ -48,6 +48,7 @@ FIGURE = ROOT / "docs" / "learning_study.png"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 MARK_BEGIN = "<!-- learning_study:begin (written by benchmarks/learning_study.py aggregate) -->"
 MARK_END = "<!-- learning_study:end -->"
+CORE_METHODS = ("grpo", "gear")  # the comparison the study is planned and powered for
 EVAL_SEED = 0  # one held-out set for every run: problems are paired across methods and seeds
 METRIC_KEYS = (
     "reward",
@@ -364,8 +365,11 @@ def study_methods(asked: list[str], runs: list[dict[str, Any]]) -> list[str]:
 
 
 def all_done(args: argparse.Namespace, runs: list[dict[str, Any]]) -> bool:
+    """Whether every seed of the study's core comparison (`CORE_METHODS`) has finished. Other
+    methods (`gear_token`, `rlsd`: the issue's "if the budget allows") are optional arms: they
+    are reported with however many seeds they reached and never make the core study partial."""
     done = {(r["method"], r["seed"]) for r in runs}
-    return all((m, s) in done for s in args.seeds for m in study_methods(args.methods, runs))
+    return all((m, s) in done for s in args.seeds for m in CORE_METHODS)
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -429,7 +433,12 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
             entry[label]["per_seed"] = [by[(m, s)]["evals"][idx]["acc"] for s in seeds]
         per_method[m] = entry
     paired = {}
-    for a, b in (("gear", "grpo"), ("gear_token", "grpo"), ("rlsd", "grpo")):
+    for a, b in (
+        ("gear", "grpo"),
+        ("gear_token", "grpo"),
+        ("rlsd", "grpo"),
+        ("gear", "gear_token"),
+    ):
         seeds = sorted(s for (mm, s) in by if mm == a and (b, s) in by)
         if not seeds:
             continue
@@ -452,7 +461,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                 "seeds_negative": int((per_seed < 0).sum()),
             }
         paired[f"{a} - {b}"] = entry
-    planned = len(args.seeds) * len(methods_all)
+    planned = len(args.seeds) * len(CORE_METHODS)
     result = {
         "task": f"{before['task']} {before.get('task_options') or {}}",
         "model": runs_raw[0]["model"] if runs_raw else None,
@@ -461,8 +470,9 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         if runs_raw
         else load_config(getattr(args, "config", CONFIG))["trainer"]["max_steps"],
         "complete": all_done(args, runs_raw),
-        "runs_finished": len(runs),
+        "runs_finished": sum(r["method"] in CORE_METHODS for r in runs),
         "runs_planned": planned,
+        "optional_arms": {m: e["seeds"] for m, e in per_method.items() if m not in CORE_METHODS},
         "before": before["acc"],
         "runs": runs,
         "methods": per_method,
@@ -500,12 +510,18 @@ def fmt_ci(mean: float, ci: list[float], signed: bool = False) -> str:
 def markdown(res: dict[str, Any]) -> str:
     state = "complete" if res["complete"] else "**partial**"
     lines = [
-        f"State: {res['runs_finished']} of {res['runs_planned']} runs finished ({state}; "
+        f"State: {res['runs_finished']} of {res['runs_planned']} runs of the core comparison "
+        f"({' vs '.join(CORE_METHODS)}) finished ({state}; "
         f"updated {res['updated']}). Task `{res['task']}`, {res['steps']} steps per run, "
         f"held-out greedy pass@1 on {res['eval_n']} problems; before training "
         f"{res['before']:.3f} for every run. CPU capability `{(res['env'] or {}).get('cpu_capability')}`"
         f", torch threads {(res['env'] or {}).get('torch_threads')} per process.",
     ]
+    for m, seeds in res.get("optional_arms", {}).items():
+        lines[0] += (
+            f" Optional arm `{m}`: seeds {', '.join(map(str, seeds))} only (fewer seeds, wider "
+            "intervals; its pairs use the seeds both methods finished)."
+        )
     if not res["runs"]:
         return "\n".join([*lines, "", "No run has finished yet."]) + "\n"
     lines += [

@@ -142,3 +142,28 @@ def test_one_process_per_method_aggregates_the_whole_study(tmp_path):
     assert res["runs_planned"] == 6 and res["complete"]
     assert res["paired"]["gear - grpo"]["seeds"] == [0, 1, 2]
     assert [(r["method"], r["seed"]) for r in res["runs"]][:2] == [("grpo", 0), ("gear", 0)]
+
+
+def test_an_optional_arm_with_fewer_seeds_is_paired_but_leaves_the_core_study_complete(tmp_path):
+    """`gear_token` (the issue's "if the budget allows") on seed 1 only: it is reported and
+    paired on that seed with grpo and with gear, and the grpo-vs-gear study stays complete."""
+    _, runs = _write_study(tmp_path / "study")
+    token = 1 - runs[("grpo", 1)]
+    data = json.loads((tmp_path / "study" / "gear-seed1.json").read_text())
+    data["method"] = "gear_token"
+    data["evals"][-1] = {"step": 4, "acc": float(token.mean()), "correct": token.tolist()}
+    (tmp_path / "study" / "gear_token-seed1.json").write_text(json.dumps(data))
+    args = argparse.Namespace(
+        results=tmp_path / "study", methods=["gear_token"], seeds=[0, 1, 2], reps=50
+    )
+    res = ls.aggregate(args)
+    assert res["complete"] and res["runs_finished"] == 6 and res["runs_planned"] == 6
+    assert res["optional_arms"] == {"gear_token": [1]}
+    assert list(res["methods"]) == ["grpo", "gear", "gear_token"]
+    vs_grpo = res["paired"]["gear_token - grpo"]
+    assert vs_grpo["seeds"] == [1]
+    assert vs_grpo["after"]["diff"] == pytest.approx(float((token - runs[("grpo", 1)]).mean()))
+    vs_gear = res["paired"]["gear - gear_token"]["after"]
+    assert vs_gear["diff"] == pytest.approx(float((runs[("gear", 1)] - token).mean()))
+    md = (tmp_path / "study" / "aggregate.md").read_text()
+    assert "Optional arm `gear_token`: seeds 1 only" in md and "**partial**" not in md
