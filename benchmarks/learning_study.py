@@ -498,7 +498,9 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
         update_benchmarks_md(md)
     if runs:
         plot(result, figure)
-    log(f"aggregate: {len(runs)}/{planned} runs -> {out_json}")
+    log(
+        f"aggregate: {result['runs_finished']}/{planned} core runs, {len(runs)} in all -> {out_json}"
+    )
     return result
 
 
