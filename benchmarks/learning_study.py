@@ -323,12 +323,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.max_runs is not None:
             args.max_runs -= 1
         aggregate(args)
-    aggregate(args)
-    log(
-        "study complete"
-        if all_done(args, finished_runs(args.results))
-        else "stopped before the study was complete"
-    )
+    complete = aggregate(args).get("complete", False)
+    log("study complete" if complete else "stopped before the study was complete")
     return 0
 
 
@@ -360,7 +356,7 @@ def study_methods(asked: list[str], runs: list[dict[str, Any]]) -> list[str]:
     process per method (`run --methods gear`) shares the results folder with the others, and
     its aggregate must report the whole study, not only its own runs."""
     union = set(asked) | {r["method"] for r in runs}
-    known = ["grpo", "gear", "gear_token", "rlsd"]
+    known = [*CORE_METHODS, "gear_token", "rlsd"]
     return [m for m in known if m in union] + sorted(union - set(known))
 
 
