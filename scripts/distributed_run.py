@@ -36,7 +36,8 @@ from accelerate import PartialState  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from _trl_helpers import byte_tokenizer, dataset, fast_kwargs, hash_reward, tiny_model  # noqa: E402
-from gear.integrations.trl import GEARConfig, GEARTrainer  # noqa: E402
+from gear.integrations.trl import TEACHER_FILE, GEARConfig, GEARTrainer  # noqa: E402
+from gear.integrations.trl.teacher_model import teacher_state  # noqa: E402
 
 BACKENDS = ("ddp", "zero2", "zero3", "fsdp2")
 
@@ -148,7 +149,7 @@ def build(args: argparse.Namespace) -> GEARTrainer:
     if args.backend == "fsdp2":
         allow_fsdp_on_cpu()
     tok = byte_tokenizer()
-    model = tiny_model(tok, hidden=args.hidden, layers=args.layers)
+    model = tiny_model(tok, hidden=args.hidden, layers=args.layers).to(getattr(torch, args.dtype))
     peft_config = None
     if args.peft:
         from peft import LoraConfig
@@ -165,6 +166,7 @@ def build(args: argparse.Namespace) -> GEARTrainer:
             num_generations=args.generations,
             max_completion_length=args.completion_length,
             ddp_backend="gloo",
+            bf16=args.bf16,
             **save,
             **backend_kwargs(args.backend),
         ),
@@ -212,9 +214,20 @@ def run(args: argparse.Namespace) -> dict:
             steps.append(full_parameters(trainer, trainer.model_wrapped))  # every rank gathers
 
     trainer.add_callback(Snapshot())
+    restored: dict = {}
+    if args.resume and args.teacher != "current":
+
+        class Restored(TrainerCallback):
+            def on_train_begin(self, *_: object, **__: object) -> None:  # after the loading
+                restored.update(restored_teacher(trainer, args.resume))
+
+        trainer.add_callback(Restored())
     trainer.train(resume_from_checkpoint=args.resume)
     final = full_parameters(trainer, trainer.model_wrapped)
     teacher = full_parameters(trainer, trainer.teacher_model)
+    # what a checkpoint holds: the teacher's full tensors, its float32 EMA masters where it has
+    # them (a teacher below float32); collective
+    state = None if trainer.teacher_model is None else teacher_state(trainer.teacher_model)
     logs = [h for h in trainer.state.log_history if "gear/kl_mean" in h]
     changed = sorted(k for k in final if not torch.equal(initial[k], final[k]))
     summary = {
@@ -229,14 +242,44 @@ def run(args: argparse.Namespace) -> dict:
         "params_changed": len(changed),
         "param_checksum": checksum(final),
         "teacher_checksum": checksum(teacher),
+        "teacher_state_checksum": checksum(state),
+        "dtype": args.dtype,
+        "teacher_dtypes": sorted({str(v.dtype) for v in (teacher_values(trainer) or [])}),
         "gear_forward_passes": gear_forwards,
         "policy_storage": storage(trainer.model_wrapped),
         "teacher_storage": storage(trainer.teacher_model),
         "kl_mean": [h["gear/kl_mean"] for h in logs],
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    summary["teacher_check"] = teacher_check(args, initial, steps, teacher, trainer)
+    if restored:
+        summary["restored_teacher"] = restored
+    masters = {k: v.double() for k, v in (state or {}).items() if k in (teacher or {})}
+    summary["teacher_check"] = teacher_check(args, initial, steps, masters or teacher, trainer)
     return summary
+
+
+def teacher_values(trainer: GEARTrainer) -> list | None:
+    model = trainer.teacher_model
+    return None if model is None else list(model.parameters())
+
+
+def restored_teacher(trainer: GEARTrainer, checkpoint: str) -> dict:
+    """The teacher just restored from `checkpoint` against the file it was restored from: the
+    same names, full shapes and values, bit for bit (its float32 masters included)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(checkpoint, TEACHER_FILE))
+    now = teacher_state(trainer.teacher_model)  # collective
+    if set(saved) != set(now):
+        return {"ok": False, "differing_names": sorted(set(saved) ^ set(now))[:5]}
+    wrong = sorted(
+        k
+        for k in saved
+        if saved[k].shape != now[k].shape
+        or saved[k].dtype != now[k].dtype
+        or not torch.equal(saved[k], now[k])
+    )
+    return {"ok": not wrong, "tensors": len(saved), "differing": wrong[:5]}
 
 
 def teacher_check(args, initial, steps, teacher, trainer) -> dict:
@@ -322,6 +365,13 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=2)
     parser.add_argument("--completion-length", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the policy's weights (TRL's dtype='auto' gives bfloat16 for most checkpoints)",
+    )
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (bf16=True)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument(
         "--teacher-path",
