@@ -344,7 +344,7 @@ def teacher_state(teacher: nn.Module) -> dict[str, Tensor] | None:
     state: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         with gathered([p]):
-            value = master[name] if name in master else full_tensor(p)
+            value = full_like(master[name], p) if name in master else full_tensor(p)
             state[name] = value.detach().cpu().clone().contiguous()
     persistent = module.state_dict().keys()  # not e.g. rotary inv_freq, rebuilt at init
     for name, b in module.named_buffers():
@@ -388,6 +388,13 @@ def load_teacher(teacher: nn.Module, checkpoint_dir: str, device: str, kind: str
         for name, p in module.named_parameters():
             if name not in state:
                 raise ValueError(f"{path}: no weights for teacher parameter {name}")
+            if tuple(state[name].shape) != full_shape(p):
+                raise ValueError(
+                    f"{path}: teacher parameter {name} is saved with shape "
+                    f"{tuple(state[name].shape)}, the teacher's is {full_shape(p)} (a checkpoint "
+                    "of another model, or an FSDP2 EMA teacher's float32 master saved as one "
+                    "rank's shard by gear before that was fixed)"
+                )
             value = state[name].to(device)
             with gathered([p], modifier_rank=0):
                 local_part(p).copy_(shard_like(value, p).to(p.dtype))
@@ -422,6 +429,21 @@ def full_shape(p: Tensor) -> tuple[int, ...]:
 def full_tensor(p: Tensor) -> Tensor:
     """The whole tensor: a DTensor's all-gather (collective), else the tensor itself."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p.data
+
+
+def full_like(local: Tensor, p: Tensor) -> Tensor:
+    """The whole tensor of `local`, this rank's part of a tensor laid out as parameter `p` (as
+    `local_part(p)` is): for a DTensor the all-gather of every rank's part (collective), else
+    `local` itself. The inverse of `shard_like`; how an FSDP2 teacher's float32 EMA masters,
+    held per shard, are saved whole."""
+    if not hasattr(p, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    whole = DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    return whole.full_tensor()
 
 
 def local_part(p: Tensor) -> Tensor:
