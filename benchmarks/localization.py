@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from onpolicy import EQUATION, evaluate_expression, first_difference
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 GSM8K_TRAIN = HERE.parent.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -125,22 +127,6 @@ def arithmetic_results(solution: str) -> list[tuple[int, int]]:
     return [m.span(4) for m in EQUATION.finditer(solution) if m.group(4)]
 
 
-EQUATION = re.compile(
-    r"((?:\d+(?:\.\d+)?\s*[-+*/x×]\s*)+\d+(?:\.\d+)?)\s*(=)\s*(\$?)(-?\d+(?:\.\d+)?)"
-)
-
-
-def evaluate_expression(expr: str) -> float | None:
-    """Value of ``3 + 4 * 2`` style expressions (digits, + - * / x ×), None if not computable."""
-    expr = expr.replace("×", "*").replace("x", "*")
-    if not re.fullmatch(r"[\d.\s+\-*/]+", expr):
-        return None
-    try:
-        return float(eval(expr, {"__builtins__": {}}, {}))  # only digits and operators
-    except (ArithmeticError, SyntaxError):
-        return None
-
-
 def first_wrong_equation(text: str) -> tuple[int, int] | None:
     """Span of the stated result of the first equation whose result is arithmetically wrong."""
     for m in EQUATION.finditer(text):
@@ -163,14 +149,6 @@ def wrong_number(correct: str, rng: random.Random) -> str:
             if out != correct.replace(",", ""):
                 return out
     raise ValueError(f"wrong_number: no replacement for {correct!r}")
-
-
-def first_difference(a: str, b: str) -> int:
-    """Index of the first character where a and b differ (len of the shorter if a prefix)."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def step_span(text: str, pos: int, separators: Sequence[str]) -> tuple[int, int]:
@@ -541,65 +519,68 @@ def run_signals(args: argparse.Namespace) -> None:
 
 
 def run_natural(args: argparse.Namespace) -> None:
-    """Stage 1b: sample arithmetic (two-digit, multistep) completions, keep failed ones with a checkable
-    wrong equation (and the correct ones as A > 0 rows), and compute their signals."""
+    """Stage 1b, on-policy: sample groups of completions on 2- and 3-step arithmetic (`multistep`,
+    `chain`) from the embedded model, grade them with the checker (`onpolicy.check_rollout`) and
+    cache the signals of every failed row with a checked first error and every correct row (the
+    placebo). Resumable: one cache entry per prompt; `--natural-prompts` can grow between runs."""
     from gear.tasks.arithmetic import ArithmeticTask
+    from onpolicy import check_rollout, equation_spans, sample_groups
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    # two-digit problems fail ~97% of the time when sampled (BENCHMARKS.md) and state a checkable
-    # equation; multistep ones have two steps
-    task = ArithmeticTask(mix={"2digit": 0.5, "multistep": 0.5})
+    task = ArithmeticTask(mix={"multistep": 0.5, "chain": 0.5})
     rows = task.dataset("test", n=args.natural_prompts, seed=args.seed)
     model, tok = _load_model()
     path = Path(args.cache) / "natural.pt"
     done = _load_cache(path)
+    todo = [j for j in range(len(rows)) if f"natural-{j}" not in done]
     t0 = time.time()
-    for j, row in enumerate(rows):
-        g = f"natural-{j}"
-        if g in done:
-            continue
-        p = torch.tensor([render(tok, row["prompt"])])
-        gen = model.generate(
-            p.expand(args.samples, -1),
-            attention_mask=torch.ones(args.samples, p.shape[1], dtype=torch.long),
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=args.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-        )[:, p.shape[1] :]
-        ids, cases = [], []
-        for r in gen.tolist():
-            if tok.eos_token_id in r:
-                r = r[: r.index(tok.eos_token_id) + 1]
-            text = tok.decode(r, skip_special_tokens=True)
-            correct = task.is_correct(text, row["answer"])
-            wrong = None if correct else first_wrong_equation(text)
-            if not correct and wrong is None:
-                continue  # failed, but no checkable first error
-            case = Case("natural", g, row["prompt"], row["ground_truth"], text)
-            if wrong is not None:
-                stated = text[wrong[0] : wrong[1]]
-                m = next(m for m in EQUATION.finditer(text) if m.span(4) == wrong)
-                value = evaluate_expression(m.group(1))
-                right = str(int(value)) if float(value).is_integer() else f"{value:.6g}"
-                # a stated number that is a prefix of the right one ("12" for "123") is wrong
-                # from its last character on
-                diff = min(first_difference(stated, right), len(stated) - 1)
-                case.error_char = wrong[0] + diff
-                case.number_end = wrong[1]
-                case.step = (m.start(), wrong[1])
-                case.detail = {"stated": stated, "correct": right}
-            ids.append(r)
-            cases.append(case)
-        done[g] = group_signals(model, tok, cases, ids) if cases else []
+    print(f"natural: {len(done)} prompts cached, {len(todo)} to sample "
+          f"({args.samples} samples, <= {args.max_new_tokens} tokens)", flush=True)  # fmt: skip
+    for k in range(0, len(todo), args.prompts_per_call):
+        part = todo[k : k + args.prompts_per_call]
+        # each call's seed is fixed by its prompts, so a resumed run samples what a fresh one would
+        torch.manual_seed(args.seed * 100003 + part[0])
+        groups = sample_groups(
+            model, tok, [render(tok, rows[j]["prompt"]) for j in part],
+            args.samples, args.max_new_tokens,
+        )  # fmt: skip
+        for j, gen in zip(part, groups, strict=True):
+            row, g = rows[j], f"natural-{j}"
+            ids, cases = [], []
+            for r in gen:
+                text = tok.decode(r, skip_special_tokens=True)
+                check = check_rollout(text, row["answer"], task)
+                if not check["correct"] and check["error"] is None:
+                    continue  # failed, but no checkable first error
+                case = Case("natural", g, row["prompt"], row["ground_truth"], text)
+                case.detail = {"level": row["level"], "truncated": tok.eos_token_id not in r}
+                if check["error"] is not None:
+                    e = check["error"]
+                    case.error_char, case.number_end = e["error_char"], e["number_end"]
+                    case.step = tuple(e["step"])
+                    case.detail.update(equation=e["equation"], stated=e["stated"],
+                                       correct=e["right"])  # fmt: skip
+                else:  # placebo candidates: every equation's (start, result start, result end)
+                    case.detail["equations"] = equation_spans(text)
+                ids.append(r)
+                cases.append(case)
+            recs = group_signals(model, tok, cases, ids) if cases else []
+            for rec, r in zip(recs, ids, strict=True):
+                if "equations" in rec["case"]["detail"]:
+                    offsets = token_offsets(tok, r)
+                    rec["equations"] = [
+                        [*char_to_token_span(offsets, a, c), *char_to_token_span(offsets, b, c)]
+                        for a, b, c in rec["case"]["detail"]["equations"]
+                    ]  # [step start, step end, result start, result end) in tokens
+            done[g] = recs
         _save_cache(path, done)
-        n_fail = sum(c.error_char is not None for recs in done.values() for c in
-                     (Case(**r["case"]) for r in recs))  # fmt: skip
-        print(f"{j + 1}/{len(rows)} prompts, {n_fail} failed rows, {time.time() - t0:.0f} s",
-              flush=True)  # fmt: skip
+        all_recs = [r for v in done.values() for r in v]
+        n_fail = sum("error" in r for r in all_recs)
+        print(
+            f"natural: {len(done)}/{len(rows)} prompts, {n_fail} failed rows with a checked error, "
+            f"{len(all_recs) - n_fail} correct rows, {time.time() - t0:.0f} s",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- stage 2: metrics
@@ -1025,8 +1006,9 @@ def main() -> None:
     ap.add_argument("--gsm8k", type=int, default=45, help="GSM8K problems (<= 5 errors each).")
     ap.add_argument("--arithmetic", type=int, default=150, help="Multistep problems (2 x 2 each).")
     ap.add_argument("--natural-prompts", type=int, default=40)
-    ap.add_argument("--samples", type=int, default=4, help="Samples per natural prompt.")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--samples", type=int, default=8, help="Samples per natural prompt.")
+    ap.add_argument("--prompts-per-call", type=int, default=8, help="Prompts per generate call.")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="1: faster than 2 on the shared CPU.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

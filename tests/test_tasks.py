@@ -106,6 +106,23 @@ def test_arithmetic_dataset():
     assert len(task.dataset("test")) == 500 and len(task.dataset("train", n=0)) == 0
 
 
+def test_arithmetic_chain_solves_in_three_checked_steps():
+    """A chain problem's worked solution is three equations, each right, none below zero, and
+    the answer is the last result (the localisation benchmark checks rollouts step by step)."""
+    task = get_task("arithmetic", mix="chain")
+    ds = task.dataset("test", n=100, seed=3)
+    assert set(ds["level"]) == {"chain"}
+    for row in ds:
+        expr = row["prompt"][0]["content"].split("What is ")[1].split("?")[0]
+        assert len(expr.split()) == 7 and eval(expr) == int(row["answer"])
+        steps = row["ground_truth"].split(". The answer is")[0].split(", then ")
+        assert len(steps) == 3
+        for step in steps:
+            left, right = step.split(" = ")
+            assert eval(left) == int(right) >= 0
+        assert task.is_correct(row["ground_truth"], row["answer"])
+
+
 def test_arithmetic_levels_and_disjoint_splits():
     for level, digits in (("1digit", 1), ("2digit", 2)):
         ds = get_task("arithmetic", mix=level).dataset("train", n=200)

@@ -1,8 +1,9 @@
 """Procedural arithmetic: seeded problems at three difficulty levels, exact-answer reward.
 
 Levels: ``1digit`` (a + b, a - b with one-digit numbers), ``2digit`` (a + b, a - b with two-digit
-numbers), ``multistep`` (a + b - c, a - b + c, a * b + c, a * b - c with small numbers). Results
-are never negative. ``mix`` sets the level weights (default 1digit 0.5, 2digit 0.3,
+numbers), ``multistep`` (a + b - c, a - b + c, a * b + c, a * b - c with small numbers), ``chain``
+(three additions or subtractions in a row, a + b - c + d, solved in three steps, so an error can
+fall mid-solution). Results, intermediate ones included, are never negative. ``mix`` sets the level weights (default 1digit 0.5, 2digit 0.3,
 multistep 0.2: SmolLM2-135M-Instruct starts well below 50% sampled accuracy on it).
 
 Train and test are disjoint by construction: every problem (its expression string) belongs to
@@ -30,7 +31,8 @@ from gear.tasks.base import (
     to_number,
 )
 
-LEVELS = ("1digit", "2digit", "multistep")
+LEVELS = ("1digit", "2digit", "multistep", "chain")
+CHAIN_STEPS = 3
 DEFAULT_MIX = {"1digit": 0.5, "2digit": 0.3, "multistep": 0.2}
 TEST_FRACTION = 0.2
 DEFAULT_SIZE = {"train": 5000, "test": 500}
@@ -56,6 +58,8 @@ def make_problem(level: str, rng: random.Random) -> tuple[str, int, str]:
             a, b = max(a, b), min(a, b)
             expr, value = f"{a} - {b}", a - b
         return expr, value, f"{expr} = {value}. The answer is {value}."
+    if level == "chain":
+        return make_chain(rng)
     form = rng.choice(["a+b-c", "a-b+c", "a*b+c", "a*b-c"])
     if form.startswith("a*b"):
         a, b = rng.randint(2, 9), rng.randint(2, 9)
@@ -73,6 +77,19 @@ def make_problem(level: str, rng: random.Random) -> tuple[str, int, str]:
     expr = f"{a} {op1} {b} {op2} {c}"
     solution = f"{a} {op1} {b} = {first}, then {first} {op2} {c} = {value}. The answer is {value}."
     return expr, value, solution
+
+
+def make_chain(rng: random.Random, steps: int = CHAIN_STEPS) -> tuple[str, int, str]:
+    """a op b op c ... with `steps` additions/subtractions of 2..30, one worked step each."""
+    value = rng.randint(2, 30)
+    expr, clauses = str(value), []
+    for _ in range(steps):
+        n = rng.randint(2, 30)
+        op = "-" if n <= value and rng.random() < 0.5 else "+"  # never below zero
+        new = value - n if op == "-" else value + n
+        clauses.append(f"{value} {op} {n} = {new}")
+        expr, value = f"{expr} {op} {n}", new
+    return expr, value, f"{', then '.join(clauses)}. The answer is {value}."
 
 
 def split_of(expr: str) -> str:
