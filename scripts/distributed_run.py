@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> dict:
         return real(*a, **k)
 
     trainer._final_hidden = counted
+    ema_gathers = measure_ema_gathers(trainer)
     steps: list[dict] = []  # the policy's full weights after each optimizer step
 
     class Snapshot(TrainerCallback):
@@ -253,9 +254,56 @@ def run(args: argparse.Namespace) -> dict:
     }
     if restored:
         summary["restored_teacher"] = restored
+    if ema_gathers is not None:
+        summary["ema_gathers"] = ema_gathers
     masters = {k: v.double() for k, v in (state or {}).items() if k in (teacher or {})}
     summary["teacher_check"] = teacher_check(args, initial, steps, masters or teacher, trainer)
     return summary
+
+
+def measure_ema_gathers(trainer: GEARTrainer) -> dict | None:
+    """Under ZeRO-3 with a full-model EMA teacher: at every gather the EMA update enters, the
+    number of elements of both models that are whole (`ds_status` AVAILABLE) on this rank; the
+    returned dict fills in during training: its peak, the largest module's own parameters (one
+    model) and both whole models, in elements."""
+    teacher = trainer.teacher_model
+    if teacher is None or not hasattr(teacher, "module"):  # not a DeepSpeed engine
+        return None
+    if not any(hasattr(p, "ds_id") for p in teacher.module.parameters()):  # ZeRO-2
+        return None
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    stats = {"gathers": 0, "peak_available": 0}
+    params: list = []  # both models' parameters, once the policy is partitioned (in train())
+    real = deepspeed.zero.GatheredParameters
+
+    class Measured(real):
+        def __enter__(self):
+            super().__enter__()
+            stats["gathers"] += 1
+            available = sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE)
+            stats["peak_available"] = max(stats["peak_available"], available)
+
+    update = trainer.update_ema_teacher
+
+    def measured_update() -> None:
+        if not params:
+            policy = trainer.accelerator.unwrap_model(trainer.model)
+            params.extend([*teacher.module.parameters(), *policy.parameters()])
+            stats["both_models"] = sum(p.ds_numel for p in params)
+            stats["largest_module"] = max(
+                sum(p.ds_numel for p in m.parameters(recurse=False))
+                for m in teacher.module.modules()
+            )
+        deepspeed.zero.GatheredParameters = Measured
+        try:
+            update()
+        finally:
+            deepspeed.zero.GatheredParameters = real
+
+    trainer.update_ema_teacher = measured_update
+    return stats
 
 
 def teacher_values(trainer: GEARTrainer) -> list | None:
