@@ -60,6 +60,14 @@ def test_deepspeed_zero_two_processes_with_each_teacher(tmp_path, stage):
     # ZeRO partitions optimizer states (and at stage 3 the weights), not the arithmetic: the
     # current teacher's signals match across stages and DDP (tests/test_trl_distributed.py)
     assert verdicts["ema"]["ranks"][0]["teacher_check"]["max_moved"] > 1e-4
+    if stage == 3:
+        # the EMA update gathers one module's parameters (teacher's and policy's) at a time:
+        # at most the largest module of both models is whole at once, never both models; the
+        # result is the recursion above (max error 1e-5), i.e. the all-at-once update's
+        for r in verdicts["ema"]["ranks"]:
+            g = r["ema_gathers"]
+            assert g["gathers"] > 0 and g["peak_available"] <= 2 * g["largest_module"], g
+            assert g["peak_available"] < g["both_models"], g
 
 
 @pytest.mark.distributed

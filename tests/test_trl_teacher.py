@@ -143,3 +143,55 @@ def test_lora_policies_train_with_either_teacher(tmp_path, tok, teacher):
     after = dict(trainer.model.named_parameters())
     assert before and any(not torch.equal(v, after[k]) for k, v in before.items())
     assert trainer.state.log_history[0]["gear/kl_mean"] > 0
+
+
+def test_a_partitioned_ema_update_gathers_one_module_at_a_time(tok, monkeypatch):
+    """Under ZeRO-3 every parameter is a shard until gathered: the EMA update must gather one
+    module's own parameters (teacher and policy) at a time, never both whole models, so that
+    partitioning still bounds memory; and the result equals the all-at-once update bit for bit.
+    (ZeRO-3 is stood in for by `ds_id` attributes and a recording `gathered`; the two-process
+    ZeRO-3 run in tests/test_trl_deepspeed.py measures the real gathers.)"""
+    from contextlib import contextmanager
+
+    from gear.integrations.trl import teacher_model as tm
+
+    decay = 0.75
+    teacher, policy = tiny_model(tok, seed=1, layers=2), tiny_model(tok, seed=2, layers=2)
+    for i, p in enumerate([*teacher.parameters(), *policy.parameters()]):
+        p.ds_id = i  # "partitioned": update_ema must gather before reading
+    w = 1 - decay
+    source = dict(policy.named_parameters())
+    expected = {n: t.detach().clone().lerp_(source[n], w) for n, t in teacher.named_parameters()}
+
+    live: dict[int, int] = {}  # id -> numel of what is gathered right now
+    calls: list[list] = []
+    peak = 0
+
+    @contextmanager
+    def recording(params, modifier_rank=None):
+        nonlocal peak
+        new = {id(p): p.numel() for p in params if id(p) not in live}
+        live.update(new)
+        calls.append(list(params))
+        peak = max(peak, sum(live.values()))
+        try:
+            yield
+        finally:
+            for key in new:
+                del live[key]
+
+    monkeypatch.setattr(tm, "gathered", recording)
+    tm.update_ema(teacher, policy, decay)
+
+    for n, t in teacher.named_parameters():
+        assert torch.equal(t, expected[n]), n
+    owner = {}  # parameter id -> index of the module holding it (tied: the first), both models
+    for model in (teacher, policy):
+        for index, module in enumerate(model.modules()):
+            for p in module.parameters(recurse=False):
+                owner.setdefault(id(p), index)
+    per_call = [{owner[id(p)] for p in c} for c in calls]
+    assert per_call and all(len(modules) == 1 for modules in per_call), [len(c) for c in calls]
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in teacher.modules())
+    whole = sum(p.numel() for p in teacher.parameters())
+    assert peak <= 2 * largest < 2 * whole, (peak, largest, whole)

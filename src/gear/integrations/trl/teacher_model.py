@@ -282,9 +282,10 @@ def update_ema(teacher: nn.Module, policy: nn.Module, decay: float) -> None:
     """theta_T <- decay * theta_T + (1 - decay) * theta over the policy's trainable
     floating-point parameters (its frozen ones never move, so the teacher's copy equals them).
 
-    `teacher` may be a DeepSpeed engine; under ZeRO-3 both models are gathered (as TRL's
-    `SyncRefModelCallback` does); under FSDP2 both are sharded alike and each rank updates its
-    shard. A teacher parameter below float32 keeps a float32 master (outside ZeRO-3)."""
+    `teacher` may be a DeepSpeed engine; under ZeRO-3 both models are gathered one module at a
+    time (TRL's `SyncRefModelCallback` gathers both whole models at once, which partitioning is
+    there to avoid); under FSDP2 both are sharded alike and each rank updates its shard. A
+    teacher parameter below float32 keeps a float32 master (outside ZeRO-3)."""
     if isinstance(teacher, AdapterTeacher):
         teacher.update(decay)
         return
@@ -301,22 +302,39 @@ def update_ema(teacher: nn.Module, policy: nn.Module, decay: float) -> None:
             "master copy, which would hold the full model on every rank)"
         )
     weight = 1.0 - decay
-    with gathered([t for _, t, _ in pairs] + [p for _, _, p in pairs], modifier_rank=0):
-        for name, t, p in pairs:
-            t_local, p_local = local_part(t), local_part(p)
-            if t_local.shape != p_local.shape:
-                raise RuntimeError(
-                    f"EMA teacher: parameter {name} is sharded as {tuple(t_local.shape)} in the "
-                    f"teacher and {tuple(p_local.shape)} in the policy"
-                )
-            if t.dtype == torch.float32 or partitioned:
-                t_local.lerp_(p_local.to(t.dtype), weight)
-            else:  # low precision: keep the average in float32, the teacher gets its rounding
-                m = master.get(name)
-                if m is None:
-                    m = master[name] = t_local.float().clone()
-                m.lerp_(p_local.float(), weight)
-                t_local.copy_(m)
+    for group in by_module(module, pairs):  # under ZeRO-3 one module's parameters at a time
+        # the teacher's are written (rank 0's result re-partitioned), the policy's only read
+        with gathered([p for _, _, p in group]), gathered([t for _, t, _ in group], 0):
+            for name, t, p in group:
+                t_local, p_local = local_part(t), local_part(p)
+                if t_local.shape != p_local.shape:
+                    raise RuntimeError(
+                        f"EMA teacher: parameter {name} is sharded as {tuple(t_local.shape)} in "
+                        f"the teacher and {tuple(p_local.shape)} in the policy"
+                    )
+                if t.dtype == torch.float32 or partitioned:
+                    t_local.lerp_(p_local.to(t.dtype), weight)
+                else:  # low precision: keep the average in float32, the teacher its rounding
+                    m = master.get(name)
+                    if m is None:
+                        m = master[name] = t_local.float().clone()
+                    m.lerp_(p_local.float(), weight)
+                    t_local.copy_(m)
+
+
+def by_module(module: nn.Module, pairs: list[tuple[str, Tensor, Tensor]]) -> list[list]:
+    """`pairs` (name, teacher parameter, policy parameter) grouped by the teacher module that
+    holds the parameter itself (not through a submodule), in `pairs`' order; a tied parameter
+    goes with the first module holding it. Gathering group by group keeps at most one module's
+    parameters of each model whole at a time, as DeepSpeed's own forward does."""
+    owner: dict[int, int] = {}
+    for index, sub in enumerate(module.modules()):
+        for p in sub.parameters(recurse=False):
+            owner.setdefault(id(p), index)
+    groups: dict[int, list] = {}
+    for pair in pairs:
+        groups.setdefault(owner.get(id(pair[1]), -1), []).append(pair)
+    return list(groups.values())
 
 
 def trainable_names(model: nn.Module) -> list[str]:
