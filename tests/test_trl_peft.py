@@ -259,10 +259,46 @@ def _qlora_model(tok, tmp_path):
     return model
 
 
+def base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weight each bitsandbytes 4-bit layer computes with (its dequantized codes), read
+    through the layer's own forward on the identity. In training mode with an input that requires
+    grad, the one call bitsandbytes never repacks on, so reading changes nothing; it works in
+    either layout: the standard one and the CPU inference one that an eval-mode no-grad forward
+    switches to on an AVX512-BF16 CPU (there a (2048, 1) code tensor becomes (64, 32), with absmax
+    rounded to bfloat16, so the raw codes are not comparable)."""
+    import bitsandbytes as bnb
+
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            training = module.training
+            module.train()
+            try:
+                eye = torch.eye(module.in_features, requires_grad=True)
+                out = module(eye).detach()
+            finally:
+                module.train(training)
+            weights[name] = (out - (0 if module.bias is None else module.bias.detach())).T
+    return weights
+
+
+def assert_same_base(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    """Equal up to the bfloat16 of bitsandbytes' CPU inference layout (its absmax and its
+    kernel's output are bfloat16: relative error below 2^-8 + 2^-9), rtol 2^-6. Moving a code to
+    a neighbouring NF4 level changes the weight by 28% or more of itself (levels ..., 0.72, 1.0
+    of the block's absmax; from 0, 8% of the absmax), so a changed code, a re-quantized or a
+    trained base fails."""
+    assert before and set(before) == set(after)
+    for name, weight in before.items():
+        torch.testing.assert_close(after[name], weight, rtol=2**-6, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("teacher", ["frozen", "ema"])
 def test_peft_qlora_teachers_on_a_4bit_model(tmp_path, tok, teacher):
-    """QLoRA with bitsandbytes' CPU 4-bit backend: the quantized (uint8) base is neither copied
-    nor averaged; the EMA holds the float32 adapter only."""
+    """QLoRA with bitsandbytes' CPU 4-bit backend: the quantized base is neither copied, nor
+    averaged, nor changed by training (compared as the weights the layers compute with, which
+    holds on every CPU class); the adapter gets a gradient at every step and moves; the EMA holds
+    the float32 adapter only."""
     model = _qlora_model(tok, tmp_path)
     trainer = make_trainer(
         tmp_path / "run",
@@ -273,11 +309,14 @@ def test_peft_qlora_teachers_on_a_4bit_model(tmp_path, tok, teacher):
         peft_config=lora(),
         max_steps=2,
     )
-    codes = {k: v.clone() for k, v in trainer.model.named_parameters() if v.dtype == torch.uint8}
+    base = base_weights(trainer.model)
     before = adapter(trainer.model)
     trainer.train()
-    assert codes and list(trainer.teacher_model.parameters()) == []
-    assert all(torch.equal(v, dict(trainer.model.named_parameters())[k]) for k, v in codes.items())
+    assert list(trainer.teacher_model.parameters()) == []
+    assert_same_base(base, base_weights(trainer.model))
+    # on AVX512-BF16, bitsandbytes' repacking (left on) made these 0 after the first eval pass
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(norms) == 2 and all(n > 0 for n in norms), norms
     assert any(not torch.equal(v, adapter(trainer.model)[k]) for k, v in before.items())
     values = trainer.teacher_model.values
     if teacher == "frozen":
@@ -285,3 +324,58 @@ def test_peft_qlora_teachers_on_a_4bit_model(tmp_path, tok, teacher):
     else:
         assert set(values) == set(before) and all(v.dtype == torch.float32 for v in values.values())
     assert all(h["gear/kl_mean"] >= 0 for h in trainer.state.log_history if "gear/kl_mean" in h)
+
+
+def test_qlora_base_check_sees_a_changed_base_but_not_the_cpu_repacking(tmp_path, tok):
+    """`assert_same_base` fails when the 4-bit base did change: one code byte flipped, or the
+    adapter merged into the base (re-quantized, as `merge_adapter` does for vLLM); and passes
+    across bitsandbytes' repacking for CPU inference where this CPU does it (AVX512-BF16)."""
+    import bitsandbytes as bnb
+
+    model = peft.get_peft_model(_qlora_model(tok, tmp_path), lora())
+    base = base_weights(model)
+    model.eval()
+    with torch.no_grad():  # the call that repacks on AVX512-BF16 (a no-op elsewhere)
+        model(input_ids=IDS)
+    assert_same_base(base, base_weights(model))
+
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, bnb.nn.Linear4bit)
+    saved = layer.weight.data.clone()
+    layer.weight.data.view(-1)[0] ^= 0x11  # two 4-bit codes of one byte
+    with pytest.raises(AssertionError, match="down_proj"):
+        assert_same_base(base, base_weights(model))
+    layer.weight.data.copy_(saved)
+    assert_same_base(base, base_weights(model))
+
+    model = peft.get_peft_model(_qlora_model(tok, tmp_path), lora())  # not repacked
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.1)  # a trained adapter
+    model.merge_adapter()
+    with pytest.raises(AssertionError, match="proj"):
+        assert_same_base(base, base_weights(model))
+
+
+def test_qlora_gradients_reach_the_adapter_after_an_eval_pass(tmp_path, tok):
+    """On an AVX512-BF16 CPU, bitsandbytes repacks a 4-bit layer for inference on its first
+    eval-mode no-grad forward (GEAR's teacher and student passes are such forwards of the policy)
+    and from then on passes no gradient through it: every LoRA gradient was 0. GEARTrainer turns
+    that repacking off for the policy and undoes it when the model arrives repacked; on an AVX2
+    CPU nothing is repacked and the same holds."""
+    model = peft.get_peft_model(_qlora_model(tok, tmp_path), lora())
+    model.eval()
+    with torch.no_grad():  # before the trainer: repacked here on AVX512-BF16
+        model(input_ids=IDS)
+    trainer = make_trainer(tmp_path / "run", tok, model=model, teacher="frozen")
+    policy = trainer.model
+    for _ in range(2):
+        policy.eval()
+        with torch.no_grad():  # what the teacher pass does between optimizer steps
+            policy(input_ids=IDS)
+        policy.train()
+        policy.zero_grad()
+        policy(input_ids=IDS).logits.float().pow(2).mean().backward()
+        grads = {k: p.grad for k, p in policy.named_parameters() if "lora_B" in k}
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())

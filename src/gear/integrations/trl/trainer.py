@@ -38,6 +38,7 @@ from gear.integrations.trl.prompts import (
     teacher_inputs,
     teacher_prompts,
 )
+from gear.integrations.trl.quantized import keep_4bit_layers_trainable
 from gear.integrations.trl.records import log_stats, maybe_write_credit_record
 from gear.integrations.trl.self_distill import no_reward, self_distill_loss
 from gear.integrations.trl.states import (
@@ -140,6 +141,7 @@ class GEARTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        keep_4bit_layers_trainable(self.model)  # bitsandbytes' AVX512 repacking drops grads
         if self._is_vlm:
             raise NotImplementedError(
                 "GEARTrainer supports text-only models (the teacher pass has no image inputs)"
