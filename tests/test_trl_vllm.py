@@ -118,8 +118,46 @@ def _naive_signals(trainer, output, teacher):
 
 def _vllm_model(trainer):
     """The model inside the colocated vLLM engine (the one TRL pushes weights into)."""
-    engine = trainer.vllm_generation.llm.llm_engine
-    return engine.model_executor.driver_worker.model_runner.model
+    from gear.integrations.trl.vllm_sync import vllm_model
+
+    return vllm_model(trainer.vllm_generation.llm)
+
+
+def _vllm_weight(layer) -> torch.Tensor:
+    """The weight a vLLM layer computes with. The input embedding's is its `weight` (a lookup);
+    a linear layer's and the LM head's are read through the layer's own kernel
+    (`quant_method.apply` on the identity): vLLM's CPU backend may have packed them into a oneDNN
+    kernel, leaving a linear layer's `weight` empty and the tied head's a copy (docs/vllm.md)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+        return layer.weight.detach()
+    size = layer.embedding_dim if isinstance(layer, ParallelLMHead) else layer.input_size
+    eye = torch.eye(size, dtype=layer.weight.dtype)
+    with torch.no_grad():
+        return layer.quant_method.apply(layer, eye).T
+
+
+# one of each kind vLLM loads: the embedding, the LM head tied to it, an attention and an MLP
+# linear layer
+CHECKED_LAYERS = (
+    ("model.embed_tokens", "model.embed_tokens"),
+    ("lm_head", "model.embed_tokens"),
+    ("model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.o_proj"),
+    ("model.layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj"),
+)
+
+
+def _assert_vllm_has_the_policy_weights(trainer) -> None:
+    """vLLM computes with the trainer's weights, as pushed (in vLLM's dtype, bfloat16)."""
+    engine, policy_model = _vllm_model(trainer), trainer.model
+    for name, policy_name in CHECKED_LAYERS:
+        policy = policy_model.get_submodule(policy_name).weight.detach()
+        pushed = _vllm_weight(engine.get_submodule(name))[: policy.size(0)]
+        assert torch.equal(pushed, policy.to(pushed.dtype)), name
 
 
 @needs_vllm
@@ -157,11 +195,7 @@ def test_vllm_colocate_signals_equal_a_student_forward_and_training_changes_para
     def spy(output, teacher, valid, mode, stats):
         signals = real_token_signals(output, teacher, valid, mode, stats)
         # vLLM sampled the batch with the trainer's weights (pushed before it, in bfloat16)
-        vllm_layers, policy_layers = _vllm_model(trainer).model, trainer.model.model
-        for name in ("embed_tokens", "layers.1.self_attn.o_proj", "layers.0.mlp.down_proj"):
-            policy = policy_layers.get_submodule(name).weight.detach()
-            pushed = vllm_layers.get_submodule(name).weight[: policy.size(0)]
-            assert torch.equal(pushed, policy.to(pushed.dtype)), name
+        _assert_vllm_has_the_policy_weights(trainer)
         naive = _naive_signals(trainer, output, teacher)
         for name, expected in naive.items():
             got = getattr(signals, name)
@@ -188,6 +222,153 @@ def test_vllm_colocate_signals_equal_a_student_forward_and_training_changes_para
     assert logs["gear/fallback_rows"] == 0 and "gear/kl_mean" in logs
     # IS on: the states were captured from TRL's pass, so GEAR ran no student forward
     assert (logs["gear/time_student"] == 0) == importance_sampling
+
+
+# ------------------------------------------------------------------------------- weight sync
+
+
+def _vllm_logprobs(trainer, ids: list[int]) -> torch.Tensor:
+    """vLLM's log-prob of each token of `ids` after the ones before it (its prompt log-probs)."""
+    from vllm import SamplingParams
+
+    out = trainer.vllm_generation.llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
+    return torch.tensor(
+        [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+    )
+
+
+def _policy_logprobs(trainer, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@needs_vllm
+def test_vllm_colocate_weight_updates_reach_generation(
+    tmp_path, tok, model_dir, vllm_process, eager_vllm
+):
+    """A change of the trainer's weights reaches what vLLM computes, on every CPU class: first
+    through the trainer's own sync (TRL's in-place push where vLLM kept its weights, vLLM's
+    layerwise reload where its CPU kernels packed them and left `weight` empty: on AVX512-BF16
+    the in-place push raised AttributeError 'weight_loader'), then through the reload
+    explicitly, so that path runs on a CPU that does not need it too. After each update vLLM's
+    kernels hold the new weights and its log-probs follow the new policy, away from the old."""
+    from gear.integrations.trl.vllm_sync import emptied_weights, reload_weights
+
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        model=_load(model_dir),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+    )
+    generation = trainer.vllm_generation
+    emptied = emptied_weights(_vllm_model(trainer))
+    # gear replaced TRL's sync exactly where the engine's kernels hold the weights
+    assert ("sync_weights" in vars(generation)) == bool(emptied)
+    ids = [1, *range(70, 90), 2, 101, 102, 103]
+    before = _vllm_logprobs(trainer, ids)
+    # vLLM runs bfloat16, the trainer float32: TRL's IS statistics saw at most ~0.1 here
+    torch.testing.assert_close(before, _policy_logprobs(trainer, ids), atol=0.25, rtol=0)
+    for seed, sync in enumerate((generation.sync_weights, partial(reload_weights, generation))):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        sync()
+        _assert_vllm_has_the_policy_weights(trainer)
+        after = _vllm_logprobs(trainer, ids)
+        torch.testing.assert_close(after, _policy_logprobs(trainer, ids), atol=0.25, rtol=0)
+        assert (after - before).abs().max() > 1.0  # what vLLM computes changed with the weights
+        before = after
+
+
+class _FakeLLM:
+    """The parts of vllm.LLM that gear's sync touches, recording the calls."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        worker = type("W", (), {"model_runner": type("R", (), {"model": model})()})()
+        executor = type("E", (), {"driver_worker": worker})()
+        self.llm_engine = type("Engine", (), {"model_executor": executor})()
+        self.calls: list = []
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append(
+            (method, {**kwargs, "weights_iterator": list(kwargs["weights_iterator"])})
+        )
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache", {}))
+
+
+class _Kernel(torch.nn.Module):
+    """A layer as vLLM's CPU dispatch leaves it: `cpu_linear` and a quant method whose
+    `process_weights_after_loading` (recorded) would rebuild the kernel."""
+
+    def __init__(self, weight: torch.nn.Parameter, processed: list) -> None:
+        super().__init__()
+        self.weight, self.cpu_linear = weight, torch.nn.functional.linear
+        self.quant_method = type(
+            "M", (), {"process_weights_after_loading": staticmethod(processed.append)}
+        )()
+
+
+class _FakeGeneration:
+    def __init__(self, model: torch.nn.Module, mode: str = "colocate") -> None:
+        self.llm, self.mode, self.enable_sleep_mode = _FakeLLM(model), mode, False
+        self.trl_syncs = 0
+
+    def sync_weights(self):
+        self.trl_syncs += 1
+
+    def _iter_named_params(self):
+        yield from [("a", torch.ones(1)), ("b", torch.zeros(2))]
+
+
+def test_vllm_sync_switches_to_the_layerwise_reload_only_for_emptied_weights():
+    """Without vLLM: TRL's sync stays where every engine parameter can take weights in place
+    (and in server mode); where the CPU backend emptied one, sync_weights becomes vLLM's
+    `reload_weights` with TRL's parameter iterator, followed by a prefix-cache reset."""
+    from gear.integrations.trl.vllm_sync import keep_vllm_weights_updatable
+
+    def trainer(generation):
+        return type("T", (), {"vllm_generation": generation})()
+
+    kept = torch.nn.Linear(2, 2)
+    emptied = torch.nn.Linear(2, 2)
+    emptied.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    assert not keep_vllm_weights_updatable(type("T", (), {})())  # use_vllm=False
+    for generation in (_FakeGeneration(kept), _FakeGeneration(emptied, mode="server")):
+        assert not keep_vllm_weights_updatable(trainer(generation))
+        generation.sync_weights()
+        assert generation.trl_syncs == 1 and generation.llm.calls == []
+
+    # an engine with emptied linear weights, an embedding and the LM head tied to it, both
+    # computing through CPU kernels, and an untied layer with a kernel of its own
+    processed: list = []
+    tied = torch.nn.Parameter(torch.ones(4, 2), requires_grad=False)
+    engine = torch.nn.ModuleDict(
+        {
+            "linear": emptied,
+            "embed": _Kernel(tied, processed),
+            "head": _Kernel(tied, processed),
+            "other": _Kernel(torch.nn.Parameter(torch.ones(3, 2)), processed),
+        }
+    )
+    generation = _FakeGeneration(engine)
+    assert keep_vllm_weights_updatable(trainer(generation))
+    assert processed == []
+    generation.sync_weights()
+    assert generation.trl_syncs == 0
+    (method, kwargs), reset = generation.llm.calls
+    assert method == "reload_weights" and reset == ("reset_prefix_cache", {})
+    assert kwargs["is_checkpoint_format"] is True
+    assert [name for name, _ in kwargs["weights_iterator"]] == ["a", "b"]
+    # after the reload, the kernels of the tied pair are rebuilt from the refreshed weight
+    assert processed == [engine["embed"], engine["head"]]
 
 
 # ----------------------------------------------------------------------------- sampling settings

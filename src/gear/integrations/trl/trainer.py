@@ -57,6 +57,7 @@ from gear.integrations.trl.teacher_model import (
     save_teacher,
     update_ema,
 )
+from gear.integrations.trl.vllm_sync import keep_vllm_weights_updatable
 from gear.teacher import TeacherPrompts
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
@@ -142,6 +143,7 @@ class GEARTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
         keep_4bit_layers_trainable(self.model)  # bitsandbytes' AVX512 repacking drops grads
+        keep_vllm_weights_updatable(self)  # vLLM's CPU kernels may hold the weights
         if self._is_vlm:
             raise NotImplementedError(
                 "GEARTrainer supports text-only models (the teacher pass has no image inputs)"
