@@ -382,7 +382,8 @@ def test_vllm_sync_switches_to_the_layerwise_reload_only_for_emptied_weights():
         ({"top_k": 20}, {"top_k": 20}),
         ({"min_p": 0.05}, {"min_p": 0.05}),
         ({"repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),
-        ({"top_k": -1, "min_p": 0.0, "generation_kwargs": {"top_p": 1.0}}, {}),
+        # vLLM's -1 ("no top-k") through generation_kwargs: GEARConfig.top_k takes TRL's 0
+        ({"top_k": 0, "min_p": 0.0, "generation_kwargs": {"top_p": 1.0, "top_k": -1}}, {}),
         ({"top_p": 0.9, "generation_kwargs": {"top_p": 1.0, "top_k": 5}}, {"top_k": 5}),
         ({"generation_kwargs": {"presence_penalty": 0.5}}, {"presence_penalty": 0.5}),
     ],
