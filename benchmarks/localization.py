@@ -849,20 +849,167 @@ def _sweep(bad: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+NATURAL_METHODS = ("gear", "gear_token", "random", "fixed")  # read a KL signal
+NATURAL_PLAIN = ("rlsd", "grpo", "oracle")  # read none (oracle: the checker's first error)
+NATURAL_SIGNALS = ("full", "k1", "k3")
+TOP_K = 3
+
+
+def top_k_share(w: Tensor, token: int, k: int = TOP_K) -> float:
+    """P(token is among the k highest weights) with ties broken at random. w: (T,)."""
+    above = int((w > w[token] + 1e-9).sum())
+    tied = int(((w - w[token]).abs() <= 1e-9).sum())
+    return 0.0 if above >= k else min(1.0, (k - above) / tied)
+
+
+def blame_shares(w: Tensor, lo: int, hi: int) -> tuple[float, float, float]:
+    """Extra blame sum(max(w - 1, 0)) before [lo, hi), on it and after it, as shares (NaN when
+    there is none)."""
+    extra = (w.double() - 1).clamp(min=0)
+    total = float(extra.sum())
+    if total <= 1e-12:
+        return math.nan, math.nan, math.nan
+    return (float(extra[:lo].sum()) / total, float(extra[lo:hi].sum()) / total,
+            float(extra[hi:].sum()) / total)  # fmt: skip
+
+
+def natural_row_metrics(w: Tensor, error: int, step: Sequence[int]) -> dict[str, float]:
+    """Per-row metrics of the on-policy set. w: (T,); error: first wrong token; step:
+    [start, end) tokens of the erroneous equation."""
+    lo, hi = step
+    before, at, after = blame_shares(w, lo, hi)
+    return {
+        "L": hit_at_1(w, lo, min(hi + 1, w.numel())),  # the rule's metric: step or next token
+        "hit1_step": hit_at_1(w, lo, hi),
+        "exact_top3": top_k_share(w, error),
+        "blame_before": before,
+        "blame_at": at,
+        "blame_after": after,
+    }
+
+
+def placebo_rows(nat: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Correct rollouts as pseudo-failures: the pseudo-error is the result of the equation with
+    the index of the first failed row of the same prompt (the last equation if fewer)."""
+    out = []
+    for recs in nat.values():
+        failed = [r for r in recs if "error" in r]
+        if not failed:
+            continue
+        k = failed[0]["case"]["detail"]["equation"]
+        for r in recs:
+            if "error" in r or not r.get("equations"):
+                continue
+            s0, _, e0, e1 = r["equations"][min(k, len(r["equations"]) - 1)]
+            out.append({**r, "error": e0, "error_end": e1, "step": [s0, e1], "placebo": True})
+    return out
+
+
+def natural_weights(recs: list[dict[str, Any]], name: str, signal: str, seed: int) -> list[Tensor]:
+    """A = -1 weights of each row under method `name` with `signal` (oracle: gear_token on the
+    indicator of the checker's first wrong equation, which a placebo row does not have)."""
+    from gear.credit import CreditParams
+
+    if name != "oracle":
+        return method_weights(recs, -1.0, CreditParams(method=name, seed=seed), signal)
+    ind = []
+    for r in recs:
+        x = [0.0] * len(r["ids"])
+        if not r.get("placebo"):
+            x[r["step"][0] : r["step"][1]] = [1.0] * (r["step"][1] - r["step"][0])
+        ind.append({**r, "kl": x})
+    return method_weights(ind, -1.0, CreditParams(method="gear_token"), "full")
+
+
+def natural_eval(recs: list[dict[str, Any]], name: str, signal: str) -> list[dict[str, float]]:
+    """Per-row metrics (random: averaged over RANDOM_SEEDS)."""
+    seeds = RANDOM_SEEDS if name == "random" else (0,)
+    per_seed = [
+        [natural_row_metrics(w, r["error"], r["step"])
+         for w, r in zip(natural_weights(recs, name, signal, s), recs, strict=True)]
+        for s in seeds
+    ]  # fmt: skip
+    keys = per_seed[0][0].keys() if recs else []
+    return [{k: _nanmean([ps[i][k] for ps in per_seed]) for k in keys} for i in range(len(recs))]
+
+
+def _per_prompt(rows: list[dict[str, float]], recs: list[dict[str, Any]], key: str) -> dict:
+    by: dict[str, list[float]] = {}
+    for m, r in zip(rows, recs, strict=True):
+        if math.isfinite(m[key]):
+            by.setdefault(r["case"]["group"], []).append(m[key])
+    return {g: sum(v) / len(v) for g, v in by.items()}
+
+
 def _natural(nat: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The on-policy set: every metric per signal x method on the failed rows (real) and on the
+    placebo rows, real - placebo per prompt, and the rule's D_loc (bootstrap over prompts)."""
     recs = [r for g in nat.values() for r in g]
     bad = [r for r in recs if "error" in r]
     good = [r for r in recs if "error" not in r]
-    out: dict[str, Any] = {"prompts": len(nat), "failed_rows": len(bad), "correct_rows": len(good)}
+    plc = placebo_rows(nat)
+    out: dict[str, Any] = {
+        "note": "on-policy failed rollouts (A = -1) of SmolLM2-135M-Instruct, temperature 1, "
+        "arithmetic multistep + chain; first error = first arithmetically wrong equation; "
+        "placebo = correct rollouts of the same prompts, A = -1, pseudo-error on the equation of "
+        "the same index; intervals: 95% bootstrap over prompts",
+        "prompts": len(nat),
+        "rows": len(bad),
+        "correct_rows": len(good),
+        "placebo_rows": len(plc),
+        "placebo_prompts": len({r["case"]["group"] for r in plc}),
+        "levels": {
+            lv: sum(r["case"]["detail"].get("level") == lv for r in bad)
+            for lv in ("multistep", "chain")
+        },
+        "error_equation_index": {
+            str(k): sum(r["case"]["detail"]["equation"] == k for r in bad) for k in range(4)
+        },
+        "truncated_rows": sum(bool(r["case"]["detail"].get("truncated")) for r in bad),
+        "chance": _chance(bad),
+        "methods": {},
+        "placebo": {},
+        "corrected": {},
+    }
     if not bad:
         return out
-    out["chance"] = _chance(bad)
-    out["methods"] = {}
-    for name in METHODS:
-        s = summarise(evaluate_method(bad, good, name))
-        out["methods"][name] = {k: v for k, v in s.items() if not k.startswith("by_")}
+    keys = ("L", "hit1_step", "exact_top3", "blame_before", "blame_at", "blame_after")
+    combos = [(n, s) for s in NATURAL_SIGNALS for n in NATURAL_METHODS]
+    combos += [(n, "full") for n in NATURAL_PLAIN]
+    diffs: dict[str, dict[str, float]] = {}
+    for name, signal in combos:
+        label = name if signal == "full" or name in NATURAL_PLAIN else f"{name}[{signal}]"
+        real, fake = natural_eval(bad, name, signal), natural_eval(plc, name, signal)
+        for target, rows, rr in ((out["methods"], real, bad), (out["placebo"], fake, plc)):
+            target[label] = {}
+            for k in keys:
+                m, ci, n = bootstrap_ci([x[k] for x in rows], [r["case"]["group"] for r in rr])
+                target[label][k], target[label][f"{k}_ci"] = m, ci
+        pr, pp = _per_prompt(real, bad, "L"), _per_prompt(fake, plc, "L")
+        diffs[label] = {g: pr[g] - pp[g] for g in pr if g in pp}
+        m, ci, n = bootstrap_ci(list(diffs[label].values()))
+        out["corrected"][label] = {"L": m, "L_ci": ci, "prompts": n}
+        print(f"natural {label:18s} L {out['methods'][label]['L']:.3f} "
+              f"placebo {out['placebo'][label]['L']:.3f}  real-placebo {m:+.3f} "
+              f"[{ci[0]:+.3f}, {ci[1]:+.3f}] ({n} prompts)", flush=True)  # fmt: skip
+    shared = [g for g in diffs["gear"] if g in diffs["gear[k1]"]]
+    m, ci, n = bootstrap_ci([diffs["gear[k1]"][g] - diffs["gear"][g] for g in shared])
+    out["decision_input"] = {"failed_rows": len(bad), "d_loc": {"mean": m, "ci": ci, "prompts": n}}
+    print(f"D_loc = gear[k1] - gear, placebo-corrected L: {m:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
     out["profile"] = {"offsets": list(range(-6, 7)), "kl_norm": profile(bad, "kl")}
     return out
+
+
+def run_natural_metrics(args: argparse.Namespace) -> None:
+    """Recompute only `natural` of localization.json from the on-policy cache."""
+    nat = _load_cache(Path(args.cache) / "natural.pt")
+    if not nat:
+        sys.exit(f"no on-policy signals in {args.cache}; run the 'natural' stage first")
+    path = RESULTS / "localization.json"
+    payload = json.loads(path.read_text()) if path.is_file() else {}
+    payload["natural"] = _natural(nat)
+    path.write_text(json.dumps(_clean(payload), indent=1))
+    print(f"wrote {path} (natural: {payload['natural']['rows']} failed rows)")
 
 
 def _clean(x: Any) -> Any:
@@ -1002,7 +1149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("stage", choices=["signals", "natural", "metrics", "table"])
+    ap.add_argument("stage", choices=["signals", "natural", "natural-metrics", "metrics", "table"])
     ap.add_argument("--gsm8k", type=int, default=45, help="GSM8K problems (<= 5 errors each).")
     ap.add_argument("--arithmetic", type=int, default=150, help="Multistep problems (2 x 2 each).")
     ap.add_argument("--natural-prompts", type=int, default=40)
@@ -1016,7 +1163,12 @@ def main() -> None:
     )
     ap.add_argument("--cache", default=str(CACHE), help="Signal cache directory.")
     args = ap.parse_args()
-    stages = {"signals": run_signals, "natural": run_natural, "metrics": run_metrics}
+    stages = {
+        "signals": run_signals,
+        "natural": run_natural,
+        "natural-metrics": run_natural_metrics,
+        "metrics": run_metrics,
+    }
     stages["table"] = run_table
     stages[args.stage](args)
 
