@@ -1,4 +1,4 @@
-"""The powered learning study of issue 13 §2: GEAR vs GRPO, several seeds, 300+ held-out problems.
+"""The learning study of issue 13 §2 (its power is reported, see BENCHMARKS.md): GEAR vs GRPO, several seeds, 300+ held-out problems.
 
 ```
 python benchmarks/learning_study.py run          # train what is missing (resumable), then aggregate
@@ -384,6 +384,28 @@ def bootstrap_mean(x: np.ndarray, rng: np.random.Generator, reps: int) -> tuple[
     return float(x.mean()), [float(lo), float(hi)]
 
 
+def seed_t_test(per_seed: np.ndarray) -> dict[str, Any]:
+    """Over seeds: the 95% Student-t interval of the mean paired difference, its SD, the power
+    of a two-sided 5% paired t-test to detect an effect the size of the observed mean with this
+    many seeds, and the seeds that would give 80% power (noncentral t)."""
+    from scipy import stats
+
+    n = len(per_seed)
+    if n < 2 or per_seed.std(ddof=1) == 0:
+        return {"t_ci95": None, "sd": None, "power": None, "seeds_for_80_power": None}
+    mean, sd = float(per_seed.mean()), float(per_seed.std(ddof=1))
+
+    def power(k: int) -> float:
+        crit = stats.t.ppf(0.975, k - 1)
+        nc = abs(mean) / (sd / np.sqrt(k))
+        return float(1 - stats.nct.cdf(crit, k - 1, nc) + stats.nct.cdf(-crit, k - 1, nc))
+
+    half = float(stats.t.ppf(0.975, n - 1) * sd / np.sqrt(n))
+    need = next((k for k in range(2, 1000) if power(k) >= 0.8), None)
+    return {"t_ci95": [mean - half, mean + half], "sd": sd, "power": power(n),
+            "seeds_for_80_power": need}  # fmt: skip
+
+
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:
     """learning_study.json, learning_study.md, the figure, and the BENCHMARKS.md block."""
     before_file = args.results / "before.json"
@@ -408,6 +430,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
                 "after": r["evals"][-1]["acc"],
                 "curve": curve,
                 "median_step_seconds": float(np.median(step_s)) if step_s else None,
+                "resumed_from": r.get("resumed_from"),
                 "eval_seconds": [e.get("seconds") for e in r["evals"]],
                 "final_train_reward": float(np.mean([m["reward"] for m in r["metrics"][-5:]]))
                 if r["metrics"]
@@ -452,6 +475,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, Any]:
             entry[label] = {
                 "diff": mean,
                 "ci95": ci,
+                **seed_t_test(per_seed),
                 "per_seed": [float(v) for v in per_seed],
                 "seeds_positive": int((per_seed > 0).sum()),
                 "seeds_negative": int((per_seed < 0).sum()),
@@ -554,15 +578,28 @@ def markdown(res: dict[str, Any]) -> str:
             "",
             "Paired difference over the seeds both methods finished (same data, same problems):",
             "",
-            "| difference | seeds | mid | after | seeds +/− (after) |",
-            "|---|---|---|---|---|",
+            "| difference | seeds | mid | after (bootstrap) | after (t over seeds) | seeds +/− "
+            "(after) | power | seeds for 80% power |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, e in res["paired"].items():
+            a = e["after"]
+            t = fmt_ci(a["diff"], a["t_ci95"], True) if a.get("t_ci95") else "-"
+            power = f"{a['power']:.2f}" if a.get("power") is not None else "-"
             lines.append(
                 f"| {name} | {len(e['seeds'])} | {fmt_ci(e['mid']['diff'], e['mid']['ci95'], True)}"
-                f" | {fmt_ci(e['after']['diff'], e['after']['ci95'], True)} | "
-                f"{e['after']['seeds_positive']}/{e['after']['seeds_negative']} |"
+                f" | {fmt_ci(a['diff'], a['ci95'], True)} | {t} | "
+                f"{a['seeds_positive']}/{a['seeds_negative']} | {power} | "
+                f"{a.get('seeds_for_80_power') or '-'} |"
             )
+        lines += [
+            "",
+            "Power: of a two-sided 5% paired t-test over seeds, for an effect the size of the "
+            "observed mean difference.",
+        ]
+    resumed = [f"{r['method']} seed {r['seed']} (from {r['resumed_from']})"
+               for r in res["runs"] if r.get("resumed_from")]  # fmt: skip
+    lines += ["", "Runs resumed from a checkpoint: " + ("; ".join(resumed) or "none") + "."]
     if res["runs"]:
         lines += ["", "![learning study](docs/learning_study.png)"]
     return "\n".join(lines) + "\n"
