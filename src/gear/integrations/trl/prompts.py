@@ -4,17 +4,25 @@ Each row's prompt is rendered exactly as TRL renders generation prompts (tokeniz
 template, `chat_template_kwargs`, the row's tool schemas: the trainer's tools, or the tools of
 the row's environment); `gear.teacher.build_teacher_prompts` adds the hint and cuts it to the
 budget. The teacher input is that prompt, left-padded, followed by the student's completion ids.
+
+Ground truth comes from the dataset column `ground_truth_column` or, when an environment owns
+the data (`environment_factory=`), from the environment: each rollout's instance exposes an
+attribute (or property) of that name after `reset()`, read once, before the first model turn
+(`environment_ground_truths`); a value there wins over the row's column.
 """
 
 from __future__ import annotations
 
+import types
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from trl.trainer.utils import pad
 
-from gear.teacher import TeacherPrompts, build_teacher_prompts, hint_template
+from gear.teacher import TeacherPrompts, build_teacher_prompts, ground_truth_text, hint_template
 
 if TYPE_CHECKING:
     from gear.integrations.trl.trainer import GEARTrainer
@@ -111,3 +119,128 @@ def ground_truths_of(inputs: list[dict[str, Any]], column: str) -> list[Any]:
         if column not in row:
             require_column(column, list(row))
     return [row[column] for row in inputs]
+
+
+# ----------------------------------------------------------------------------- environments
+
+
+def _code_objects(member: Any) -> Iterator[types.CodeType]:
+    """The code objects of a class member (function, static / class method, property), nested
+    functions included."""
+    if isinstance(member, staticmethod | classmethod):
+        member = member.__func__
+    if isinstance(member, property):
+        for f in (member.fget, member.fset, member.fdel):
+            yield from _code_objects(f)
+        return
+    stack = [member.__code__] if isinstance(member, types.FunctionType) else []
+    while stack:
+        code = stack.pop()
+        yield code
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def can_supply_ground_truth(environment: Any, name: str) -> bool:
+    """Whether an environment can ever hold a ground truth under attribute `name`: its class
+    defines or annotates it (a class attribute, a property, a dataclass field), the instance has
+    it once constructed, or a method of the class names it (`self.ground_truth = ...` in
+    `reset()` or a helper it calls). Read off the instance TRL probes at construction, without
+    calling `reset()` (which needs an episode's kwargs and may have side effects)."""
+    if name in getattr(environment, "__dict__", {}):
+        return True
+    for klass in type(environment).__mro__[:-1]:  # not `object`
+        own = vars(klass)
+        if name in own or name in own.get("__annotations__", {}):
+            return True
+        if any(name in c.co_names for m in own.values() for c in _code_objects(m)):
+            return True
+    return False
+
+
+def _not_a_tool(environment_class: type, name: str) -> None:
+    """A callable `ground_truth` would be a tool: TRL exposes every public method of an
+    environment to the model, so the student could call it and read the answer."""
+    if callable(getattr(environment_class, name, None)):
+        raise ValueError(
+            f"environment {environment_class.__name__}: {name!r} must be an attribute or a "
+            f"@property holding the episode's ground truth, not a method: TRL exposes an "
+            f"environment's public methods as tools, so the student could call it and read the "
+            f"answer. Set `self.{name} = ...` in reset()."
+        )
+
+
+def check_ground_truth_sources(trainer: GEARTrainer, train_dataset: Any, eval_dataset: Any) -> None:
+    """Start-up check that episodes can have a ground truth (methods that need the teacher).
+
+    Without an environment every dataset needs the ground-truth column. With one, a row's
+    ground truth comes from its dataset column or from its environment
+    (`can_supply_ground_truth`). If no episode can ever have one (a dataset, or TRL's
+    placeholder when the environment owns the data, lacks the column and no environment can
+    supply it), one error says how to give it; if only some environments can, the rows of the
+    others get weight 1 (plain GRPO), counted in `gear/rows_without_ground_truth`, and one
+    warning names them.
+    """
+    column = trainer.args.ground_truth_column
+    datasets = [train_dataset, *eval_datasets(eval_dataset)]
+    if trainer.environment_factories is None:
+        for ds in datasets:
+            columns = getattr(ds, "column_names", None)
+            if columns is not None:
+                require_column(column, list(columns))
+        return
+    # TRL probed one instance of each environment at construction; it stays in its pool
+    probes = {name: pool[0] for name, pool in trainer._environment_pool.items()}
+    for instance in probes.values():
+        _not_a_tool(type(instance), column)
+    supplying = {n for n, e in probes.items() if can_supply_ground_truth(e, column)}
+    # the columns of datasets without the ground-truth column; with no train_dataset (the
+    # environment owns the data) TRL trains on a placeholder that has a "prompt" column only
+    lacking = [["prompt"]] if train_dataset is None else []
+    for ds in datasets:
+        columns = getattr(ds, "column_names", None)
+        if columns is not None and column not in columns:
+            lacking.append(list(columns))
+    if not lacking or supplying == set(probes):
+        return
+    names = sorted(type(probes[n]).__name__ for n in set(probes) - supplying)
+    if not supplying:
+        raise ValueError(
+            f"ground_truth_column: no episode can have a ground truth for the teacher hint: the "
+            f"dataset has no column {column!r} (columns present: {sorted(lacking[0])}) and the "
+            f"environment ({', '.join(names)}) has no attribute {column!r}. Let the environment "
+            f"supply each episode's ground truth: set `self.{column} = ...` in reset() (declare "
+            f"`{column}: str | None = None` on the class); or add a {column!r} column to the "
+            "dataset; or use a credit method without a teacher ('grpo', 'entropy_top')."
+        )
+    warnings.warn(
+        f"GEARTrainer: environment(s) {', '.join(names)} have no attribute {column!r} and the "
+        f"dataset has no column {column!r}: their rows have no ground truth, get weight 1 (plain "
+        "GRPO) and are counted in gear/rows_without_ground_truth",
+        stacklevel=3,
+    )
+
+
+def environment_ground_truths(environments: list, name: str) -> list[Any]:
+    """Each rollout's ground truth as its environment holds it after `reset()` (None where the
+    environment has no attribute `name`)."""
+    values = []
+    for environment in environments:
+        value = getattr(environment, name, None)
+        if callable(value):
+            _not_a_tool(type(environment), name)
+        values.append(value)
+    return values
+
+
+def batch_ground_truths(
+    inputs: list[dict[str, Any]], column: str, from_environments: list[Any] | None
+) -> list[Any]:
+    """Each row's ground truth: without environments, the dataset column (a missing column is
+    an error); with them, the environment's value where it has one, else the row's column
+    (None where neither: no hint, weight 1)."""
+    if from_environments is None:
+        return ground_truths_of(inputs, column)
+    return [
+        env if ground_truth_text(env) is not None else row.get(column)
+        for row, env in zip(inputs, from_environments, strict=True)
+    ]

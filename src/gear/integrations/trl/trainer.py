@@ -32,9 +32,10 @@ from gear.credit.signals import signals_from_hidden
 from gear.integrations.trl.config import GEARConfig
 from gear.integrations.trl.credit import batch_credit, without_unhinted_rows
 from gear.integrations.trl.prompts import (
-    eval_datasets,
+    batch_ground_truths,
+    check_ground_truth_sources,
+    environment_ground_truths,
     ground_truths_of,
-    require_column,
     teacher_inputs,
     teacher_prompts,
 )
@@ -74,7 +75,8 @@ class GEARTrainer(GRPOTrainer):
 
     Same constructor and datasets as `GRPOTrainer`; a credit method that needs the teacher (all
     but `grpo` and `entropy_top`) or `loss_mode="self_distill"` needs a ground-truth column
-    (`GEARConfig.ground_truth_column`). Two extra keyword arguments select a separate frozen
+    (`GEARConfig.ground_truth_column`) or, when an environment owns the data, an environment
+    attribute of that name set by `reset()` (docs/trl.md). Two extra keyword arguments select a separate frozen
     teacher (`teacher="frozen"` only): `teacher_model` (model or path) and
     `teacher_processing_class`, whose vocabulary must equal the policy's.
     """
@@ -180,13 +182,7 @@ class GEARTrainer(GRPOTrainer):
                 stacklevel=2,
             )
         if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
-            for ds in (train_dataset, *(eval_datasets(eval_dataset))):
-                columns = getattr(ds, "column_names", None)
-                if columns is not None:
-                    require_column(args.ground_truth_column, list(columns))
-            if train_dataset is None and environment_factory is not None:
-                # TRL then trains on a placeholder dataset that has only a "prompt" column
-                require_column(args.ground_truth_column, ["prompt"])
+            check_ground_truth_sources(self, train_dataset, eval_dataset)
         self._logit_scale = logit_scale(text_config)
         self._logit_softcap = logit_softcap(text_config)
         self._student = StudentStates(self)
@@ -194,6 +190,7 @@ class GEARTrainer(GRPOTrainer):
         if args.teacher == "ema":
             self.add_callback(EMATeacherUpdate(self))
         self._gear_prompts: list | None = None  # prompts of the batch being generated
+        self._gear_env_ground_truths: list | None = None  # its environments' ground truths
         self._gear_rewards: Tensor | None = None  # (all rows, reward funcs), gathered
         self._gear_next_record_step = 0
 
@@ -229,6 +226,13 @@ class GEARTrainer(GRPOTrainer):
     def _generate(self, prompts: list) -> Any:
         # the prompts after environment resets: exactly what the student is prompted with
         self._gear_prompts = copy.deepcopy(prompts)
+        # each rollout's ground truth as its environment holds it right after reset(), before a
+        # tool call can change the environment's state
+        self._gear_env_ground_truths = (
+            environment_ground_truths(self.environments, self.args.ground_truth_column)
+            if self.environment_factories is not None and self.environments
+            else None
+        )
         return super()._generate(prompts)
 
     def _generate_single_turn(self, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
@@ -264,7 +268,7 @@ class GEARTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         mode = "train" if self.model.training else "eval"
-        if self._needs_teacher and self.rollout_func is None:
+        if self._needs_teacher and self.rollout_func is None and self.environment_factories is None:
             ground_truths_of(inputs, self.args.ground_truth_column)  # fail before generating
         rl = self.args.loss_mode == "rl"
         with self._student.capturing(rl and self._needs_signals):
@@ -276,7 +280,9 @@ class GEARTrainer(GRPOTrainer):
         teacher = None
         if self._needs_teacher:
             t0 = time.perf_counter()
-            gts = ground_truths_of(inputs, self.args.ground_truth_column)
+            gts = batch_ground_truths(
+                inputs, self.args.ground_truth_column, self._gear_env_ground_truths
+            )
             teacher = self._teacher_inputs(self._gear_prompts, gts, output, stats)
             stats["gear/time_teacher_prompts"] = time.perf_counter() - t0
             if not rl:  # self_distill: the teacher pass runs in the loss, on each micro-batch
