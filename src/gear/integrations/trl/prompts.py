@@ -157,16 +157,15 @@ def can_supply_ground_truth(environment: Any, name: str) -> bool:
     return False
 
 
-def _not_a_tool(environment_class: type, name: str) -> None:
+def _refuse_method(environment_class: type, name: str) -> None:
     """A callable `ground_truth` would be a tool: TRL exposes every public method of an
     environment to the model, so the student could call it and read the answer."""
-    if callable(getattr(environment_class, name, None)):
-        raise ValueError(
-            f"environment {environment_class.__name__}: {name!r} must be an attribute or a "
-            f"@property holding the episode's ground truth, not a method: TRL exposes an "
-            f"environment's public methods as tools, so the student could call it and read the "
-            f"answer. Set `self.{name} = ...` in reset()."
-        )
+    raise ValueError(
+        f"environment {environment_class.__name__}: {name!r} must be an attribute or a "
+        f"@property holding the episode's ground truth, not a method: TRL exposes an "
+        f"environment's public methods as tools, so the student could call it and read the "
+        f"answer. Set `self.{name} = ...` in reset()."
+    )
 
 
 def check_ground_truth_sources(trainer: GEARTrainer, train_dataset: Any, eval_dataset: Any) -> None:
@@ -191,7 +190,8 @@ def check_ground_truth_sources(trainer: GEARTrainer, train_dataset: Any, eval_da
     # TRL probed one instance of each environment at construction; it stays in its pool
     probes = {name: pool[0] for name, pool in trainer._environment_pool.items()}
     for instance in probes.values():
-        _not_a_tool(type(instance), column)
+        if callable(getattr(type(instance), column, None)):
+            _refuse_method(type(instance), column)
     supplying = {n for n, e in probes.items() if can_supply_ground_truth(e, column)}
     # the columns of datasets without the ground-truth column; with no train_dataset (the
     # environment owns the data) TRL trains on a placeholder that has a "prompt" column only
@@ -227,7 +227,7 @@ def environment_ground_truths(environments: list, name: str) -> list[Any]:
     for environment in environments:
         value = getattr(environment, name, None)
         if callable(value):
-            _not_a_tool(type(environment), name)
+            _refuse_method(type(environment), name)
         values.append(value)
     return values
 
