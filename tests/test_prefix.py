@@ -167,7 +167,7 @@ class NoCache(torch.nn.Module):
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
-        self.module = inner  # found by find_backbone like a DDP wrapper
+        self.module = inner  # unwrapped by gear.modeling.unwrap like a DDP wrapper
 
     def forward(self, **kwargs):
         kwargs["use_cache"] = False

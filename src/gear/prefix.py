@@ -9,26 +9,29 @@ hidden states that predict each completion token: at column 0 the prefix's last 
 t > 0 the state of completion token t - 1, exactly as the plain forward gives them (up to float
 rounding) and ready for `gear.credit.signals_from_hidden` (no logits are kept).
 
-Position ids keep every distance between two tokens of a row what it is in the plain padded
-forward, so rotary models agree with it; the prefix's keys are gathered per layer, one layer at a
-time, and nothing is stored in the cache during the completion pass, so memory stays that of the
-plain forward's activations. Models whose cache is not a plain key/value cache (linear attention,
-recurrent state, quantised or offloaded caches) or that return none fall back to the plain
-forward, with one warning per reason.
+Both passes take the position ids of the plain forward (`gear.modeling.padding_free_positions`),
+so the shared prefix is exact wherever a position's encoding depends on its id alone; where it
+does not (length-dependent rotary scaling, ALiBi: `gear.modeling.prefix_sharing_blocker`) the
+plain forward runs. The prefix's keys are gathered per layer, one layer at a time, and nothing
+is stored in the cache during the completion pass, so memory stays that of the plain forward's
+activations. Models whose cache is not a plain key/value cache (linear attention, recurrent
+state, quantised or offloaded caches) or that return none fall back to the plain forward too,
+with one warning per reason.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
-from collections.abc import Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+from gear.modeling import capture_final_hidden, padding_free_positions, prefix_sharing_blocker
+from gear.modeling.model import only_capture, takes_position_ids
 
 _WARNED: set[str] = set()
 
@@ -43,31 +46,9 @@ def _warn_once(reason: str) -> None:
         )
 
 
-def find_backbone(model: nn.Module) -> nn.Module:
-    """The module whose output's `last_hidden_state` is the final hidden states: the base model
-    of a `*ForCausalLM` (DDP / DeepSpeed wrappers and PEFT models are unwrapped)."""
-    while hasattr(model, "module"):  # DDP / DeepSpeed engine
-        model = model.module
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
-    prefix = getattr(model, "base_model_prefix", "")
-    return getattr(model, prefix, model) if prefix else model
-
-
-@contextmanager
-def _capture(backbone: nn.Module, columns: slice, sink: list[Tensor]) -> Any:
-    """Append `last_hidden_state[:, columns]` of every backbone forward to `sink` (a copy, so
-    the whole (B, L, H) output is freed)."""
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        sink.append(hidden[:, columns].clone())
-
-    handle = backbone.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+def _columns(columns: slice) -> Callable[[Tensor], Tensor]:
+    """Keep `h[:, columns]` of a capture, as a copy (the whole (B, L, H) output is freed)."""
+    return lambda h: h[:, columns].clone()
 
 
 def plain_hidden(
@@ -76,30 +57,33 @@ def plain_hidden(
     attention_mask: Tensor,
     n_keep: int,
     *,
-    backbone: nn.Module | None = None,
     batch_size: int | None = None,
 ) -> Tensor:
     """(B, n_keep, H) final hidden states predicting the last `n_keep` tokens of each row, from
-    one forward over whole rows (the reference the shared-prefix pass must equal).
+    one forward over whole rows (the reference the shared-prefix pass must equal). Runs under
+    the caller's grad mode.
 
     Args:
         model: a causal LM (or its DDP / DeepSpeed / PEFT wrapper) taking `logits_to_keep`.
         input_ids, attention_mask: (B, L), L > n_keep.
-        backbone: module read for the hidden states (default `find_backbone(model)`).
         batch_size: rows per forward (default all).
     """
-    backbone = backbone if backbone is not None else find_backbone(model)
     batch_size = batch_size or input_ids.size(0)
+    positions = takes_position_ids(model)
     out: list[Tensor] = []
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
-        with _capture(backbone, slice(-n_keep - 1, -1), out):
+        mask = attention_mask[rows]
+        extra = {"position_ids": padding_free_positions(mask)} if positions else {}
+        with capture_final_hidden(model, _columns(slice(-n_keep - 1, -1))) as got:
             model(
                 input_ids=input_ids[rows],
-                attention_mask=attention_mask[rows],
+                attention_mask=mask,
                 logits_to_keep=1,
                 use_cache=False,
+                **extra,
             )
+        out.append(only_capture(got, model))
     return torch.cat(out)
 
 
@@ -147,7 +131,6 @@ def prefix_shared_hidden(
     attention_mask: Tensor,
     n_keep: int,
     *,
-    backbone: nn.Module | None = None,
     batch_size: int | None = None,
 ) -> Tensor:
     """`plain_hidden` with each unique prefix computed once (see the module docstring).
@@ -159,7 +142,6 @@ def prefix_shared_hidden(
             student prompt) in the first L - n_keep columns, padded on either side; the
             completion (tool turns included) in the last n_keep columns, with its mask.
         n_keep: T, the completion width.
-        backbone: module read for the hidden states (default `find_backbone(model)`).
         batch_size: rows per completion pass (default all); each chunk's prefixes run once.
             Every chunk runs exactly two forwards whatever the data (a prefix pass and a
             completion pass), so sharded ranks (ZeRO-3, FSDP) stay in step.
@@ -168,17 +150,12 @@ def prefix_shared_hidden(
     """
     prefixes, group = group_prefixes(input_ids, attention_mask, n_keep)
     B = input_ids.size(0)
-    reason = _unsupported(model)
+    reason = prefix_sharing_blocker(model, input_ids.size(1))
     if reason is not None:
         _warn_once(reason)
-        return plain_hidden(
-            model, input_ids, attention_mask, n_keep, backbone=backbone, batch_size=batch_size
-        )
-    backbone = backbone if backbone is not None else find_backbone(model)
+        return plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
     batch_size = batch_size or B
-    order = torch.sort(
-        group, stable=True
-    ).indices  # each group's rows together, few prefixes a chunk
+    order = torch.sort(group, stable=True).indices  # each group's rows together
     completion_ids = input_ids[:, -n_keep:]
     completion_mask = attention_mask[:, -n_keep:]
     out: Tensor | None = None
@@ -186,16 +163,13 @@ def prefix_shared_hidden(
         rows = order[start : start + batch_size]
         hidden = _chunk_hidden(
             model,
-            backbone,
             prefixes,
             group[rows],
             completion_ids[rows.to(input_ids.device)],
             completion_mask[rows.to(input_ids.device)],
         )
         if hidden is None:  # no reusable cache: this model takes the plain path
-            return plain_hidden(
-                model, input_ids, attention_mask, n_keep, backbone=backbone, batch_size=batch_size
-            )
+            return plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
         if out is None:
             out = hidden.new_empty((B, *hidden.shape[1:]))
         out[rows.to(out.device)] = hidden
@@ -205,7 +179,6 @@ def prefix_shared_hidden(
 
 def _chunk_hidden(
     model: nn.Module,
-    backbone: nn.Module,
     prefixes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
     group: Tensor,
     completion_ids: Tensor,
@@ -223,18 +196,13 @@ def _chunk_hidden(
     for i, (p_ids, p_mask) in enumerate(chunk):
         ids[i, P - len(p_ids) :] = torch.tensor(p_ids)
         mask[i, P - len(p_mask) :] = torch.tensor(p_mask)
-    lengths = torch.tensor([len(p) for p, _ in chunk])
-    # column j of a prefix left-padded by P - n sits at position j - (P - n): the same distances
-    # as in the plain forward, where the row is one contiguous stretch of columns
-    positions = (torch.arange(P) - (P - lengths)[:, None]).clamp(min=0)
-    ids, mask, positions, local = (t.to(device) for t in (ids, mask, positions, local))
+    ids, mask, local = ids.to(device), mask.to(device), local.to(device)
 
-    last: list[Tensor] = []
-    with _capture(backbone, slice(-1, None), last):
+    with capture_final_hidden(model, _columns(slice(-1, None))) as last:
         out = model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=padding_free_positions(mask),  # those of the plain forward
             logits_to_keep=1,
             use_cache=True,
         )
@@ -243,40 +211,22 @@ def _chunk_hidden(
     if reason is not None:
         _warn_once(reason)
         return None
-    first = last[-1][local]  # (b, 1, H): the prefix's last state predicts completion token 0
+    first = only_capture(last, model)[local]  # (b, 1, H): predicts completion token 0
     # The last completion token predicts nothing, so tokens 0..T-2 run (token 0 alone when
     # T = 1, its state unused: every rank runs the same number of forwards).
     T = completion_ids.size(1)
     n = max(T - 1, 1)
-    steps: list[Tensor] = []
-    with _capture(backbone, slice(None), steps):
+    row_mask = torch.cat([mask[local], completion_mask[:, :n]], dim=1)
+    with capture_final_hidden(model, _columns(slice(None))) as steps:
         model(
             input_ids=completion_ids[:, :n],
-            attention_mask=torch.cat([mask[local], completion_mask[:, :n]], dim=1),
-            position_ids=lengths.to(device)[local][:, None] + torch.arange(n, device=device),
+            attention_mask=row_mask,
+            position_ids=padding_free_positions(row_mask)[:, -n:],
             past_key_values=_gathered(cache, local),
             logits_to_keep=1,
             use_cache=True,
         )
-    return torch.cat([first, steps[-1][:, : T - 1]], dim=1)
-
-
-def _unsupported(model: nn.Module) -> str | None:
-    """Why `model` cannot run a cached completion pass, or None if it can."""
-    inner = model
-    while hasattr(inner, "module"):  # DDP / DeepSpeed engine
-        inner = inner.module
-    config = getattr(inner, "config", None)
-    if config is not None and getattr(config, "vision_config", None) is not None:
-        return "multimodal models are not supported"
-    try:
-        params = inspect.signature(inner.forward).parameters
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
-    missing = [k for k in ("past_key_values", "position_ids") if k not in params]
-    return f"its forward takes no {' / '.join(missing)}" if missing else None
+    return torch.cat([first, only_capture(steps, model)[:, : T - 1]], dim=1)
 
 
 def _unshareable(cache: Any) -> str | None:

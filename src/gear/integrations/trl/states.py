@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 from trl.models.utils import disable_gradient_checkpointing
 
-from gear.prefix import prefix_shared_hidden
+from gear.modeling import capture_final_hidden
+from gear.prefix import plain_hidden, prefix_shared_hidden
 
 if TYPE_CHECKING:
     from gear.integrations.trl.trainer import GEARTrainer
@@ -194,19 +195,15 @@ def capture_hidden(
     captured.lengths = []
     positions = slice(-1, None) if next_token else slice(-n_keep - 1, -1)
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+    def keep(hidden: Tensor) -> Tensor:
         captured.lengths.append(hidden.shape[1])
         # a copy of the slice: a view would keep the whole (B, P + C, H) output alive
         hidden = hidden[:, positions]
-        hidden = hidden.detach().clone() if detach else hidden.clone()
-        captured.append(hidden)
+        captured.append(hidden.detach().clone() if detach else hidden.clone())
+        return captured[-1]
 
-    handle = backbone(accelerator.unwrap_model(model)).register_forward_hook(hook)
-    try:
+    with capture_final_hidden(accelerator.unwrap_model(model), keep):
         yield captured
-    finally:
-        handle.remove()
 
 
 def final_hidden(
@@ -222,51 +219,25 @@ def final_hidden(
 ) -> Tensor:
     """(B, n_keep, H) final hidden states at the positions predicting the last n_keep tokens.
 
-    Runs the root module (so DDP / DeepSpeed / PEFT hooks fire) with `logits_to_keep=1`
-    and reads the backbone's output; rows go in chunks of `batch_size`, like TRL's passes.
-    With `share_prefix` (no-grad only), rows sharing their first L - n_keep tokens compute
-    them once (`gear.prefix.prefix_shared_hidden`).
+    Runs the root module (so DDP / DeepSpeed / PEFT hooks fire) with `logits_to_keep=1` and
+    reads the backbone's output (`gear.prefix.plain_hidden`); rows go in chunks of
+    `batch_size`, like TRL's passes. With `share_prefix` (no-grad only), rows sharing their
+    first L - n_keep tokens compute them once (`gear.prefix.prefix_shared_hidden`).
     """
-    batch_size = batch_size or input_ids.size(0)
     unwrapped = accelerator.unwrap_model(model)
     no_checkpointing = (
         disable_gradient_checkpointing(unwrapped, gradient_checkpointing_kwargs)
         if not grad and checkpointing(unwrapped)
         else nullcontext()
     )
-    chunks = []
-    with no_checkpointing:
+    with no_checkpointing, accelerator.autocast():
         if share_prefix and not grad:
-            with torch.no_grad(), accelerator.autocast():
+            with torch.no_grad():
                 return prefix_shared_hidden(
-                    model,
-                    input_ids,
-                    attention_mask,
-                    n_keep,
-                    backbone=backbone(unwrapped),
-                    batch_size=batch_size,
+                    model, input_ids, attention_mask, n_keep, batch_size=batch_size
                 )
-        for start in range(0, input_ids.size(0), batch_size):
-            stop = start + batch_size
-            with (
-                capture_hidden(accelerator, model, n_keep, detach=not grad) as hidden,
-                accelerator.autocast(),
-            ):
-                model(
-                    input_ids=input_ids[start:stop],
-                    attention_mask=attention_mask[start:stop],
-                    logits_to_keep=1,
-                    use_cache=False,
-                )
-            chunks.append(hidden[-1])
-    return torch.cat(chunks)
-
-
-def backbone(model: nn.Module) -> nn.Module:
-    """The decoder whose output is the final hidden state (as TRL's fused LM head reads it)."""
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
-    return model.base_model
+        hidden = plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
+    return hidden if grad else hidden.detach()
 
 
 def checkpointing(model: nn.Module) -> bool:

@@ -34,6 +34,8 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import create_model_from_path, disable_dropout_in_model
 
+from gear.modeling import logit_scale, logit_softcap
+
 if TYPE_CHECKING:
     from gear.integrations.trl.trainer import GEARTrainer
 
@@ -491,24 +493,6 @@ def without_fused_forward(model: nn.Module) -> nn.Module:
         if code is not None and code.co_name == "_fused_forward":
             del module.__dict__["forward"]
     return model
-
-
-def logit_scale(text_config: Any) -> float:
-    """The factor a model applies to its logits (mirrors TRL's fused LM head)."""
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(text_config, name, None)
-        if value is not None:
-            return float(value)
-    scaling = getattr(text_config, "logits_scaling", None)
-    if scaling is not None:
-        return float(scaling) if text_config.model_type == "hyperclovax" else 1.0 / float(scaling)
-    return 1.0
-
-
-def logit_softcap(text_config: Any) -> float | None:
-    """The model's final-logit softcap c (Gemma 2/3: logits <- c * tanh(logits / c)), or None."""
-    value = getattr(text_config, "final_logit_softcapping", None)
-    return float(value) if value else None
 
 
 def _is_peft(model: nn.Module) -> bool:

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from gear.credit.signals import TokenSignals, signals_from_hidden
+from gear.modeling import LogitConventions, capture_final_hidden, lm_head
+from gear.modeling.model import only_capture
 
 #: non-tensor batch key: verl's old-log-prob pass runs the teacher pass too (worker.py)
 FUSED_KEY = "gear_signals"
@@ -37,6 +39,9 @@ FUSED_KEY = "gear_signals"
 @dataclass
 class TeacherPassOptions:
     """Options of the pass (``gear.*`` keys, carried in the batch's non-tensor data).
+
+    temperature: the sampling temperature; the model's own logit conventions (logit scale,
+        final-logit softcap: `gear.modeling.LogitConventions`) come from its config.
 
     micro_batch_size: at most this many rows per teacher forward (verl's micro-batch is split).
     max_token_len: with verl's dynamic batch size, at most this many tokens per teacher forward
@@ -69,30 +74,6 @@ def nested(rows: list[Tensor]) -> Tensor:
 # ----------------------------------------------------------------------------------- the model
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module under FSDP1 / DDP-style wrappers (``.module``) and PEFT (``get_base_model``)."""
-    while type(module).__name__ in ("FullyShardedDataParallel", "DistributedDataParallel"):
-        module = module.module
-    if hasattr(module, "get_base_model"):
-        module = module.get_base_model()
-    return module
-
-
-def backbone(module: nn.Module) -> nn.Module:
-    """The decoder whose output is the final (normed) hidden state that the LM head reads."""
-    return _unwrap(module).base_model
-
-
-def output_head(module: nn.Module) -> nn.Module:
-    """The LM head, unwrapped so that a hook on it runs while FSDP has its weight unsharded."""
-    head = _unwrap(module).get_output_embeddings()
-    if head is None:
-        raise ValueError("teacher pass: the model has no output embeddings (LM head)")
-    while type(head).__name__ == "FullyShardedDataParallel":
-        head = head.module
-    return head
-
-
 def _full(t: Tensor | None) -> Tensor | None:
     return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
 
@@ -101,17 +82,12 @@ def _full(t: Tensor | None) -> Tensor | None:
 def capture_rows(module: nn.Module, index: Tensor) -> Iterator[list[Tensor]]:
     """While open, each forward of `module` appends its output's rows `index` of the flattened
     (B * W, H) final hidden states, as an (M, H) copy (the full output is not kept)."""
-    got: list[Tensor] = []
 
-    def hook(mod: nn.Module, args: Any, output: Any) -> None:
-        h = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        got.append(h.reshape(-1, h.shape[-1]).index_select(0, index.to(h.device)).detach())
+    def keep(h: Tensor) -> Tensor:
+        return h.reshape(-1, h.shape[-1]).index_select(0, index.to(h.device)).detach()
 
-    handle = backbone(module).register_forward_hook(hook)
-    try:
+    with capture_final_hidden(module, keep) as got:
         yield got
-    finally:
-        handle.remove()
 
 
 @contextlib.contextmanager
@@ -122,7 +98,7 @@ def on_head(module: nn.Module, fn: Callable[[Tensor, Tensor | None], None]) -> I
     def hook(mod: nn.Module, args: Any) -> None:
         fn(_full(mod.weight), _full(getattr(mod, "bias", None)))
 
-    handle = output_head(module).register_forward_pre_hook(hook)
+    handle = lm_head(module).register_forward_pre_hook(hook)
     try:
         yield
     finally:
@@ -217,7 +193,7 @@ def forward_hidden(
     kwargs = {k: v.to(device) if v is not None else None for k, v in x.kwargs.items()}
     with capture_rows(module, index) as got, autocast():
         module(**kwargs, use_cache=False, logits_to_keep=1)
-    return got[0]
+    return only_capture(got, module)
 
 
 def dummy_forward(
@@ -253,6 +229,7 @@ def teacher_signals(
     index = response_index(x.starts, x.lengths, response_lengths)
     kwargs = {k: v.to(device) if v is not None else None for k, v in x.kwargs.items()}
     result: list[TokenSignals] = []
+    conventions = LogitConventions.of(module)  # softcap, logit scale: as the model's logits
     with capture_rows(module, index) as teacher_hidden:
 
         def signals(weight: Tensor, bias: Tensor | None) -> None:
@@ -260,14 +237,14 @@ def teacher_signals(
             result.append(
                 signals_from_hidden(
                     student_hidden.to(weight.dtype)[None],
-                    teacher_hidden[-1].to(weight.dtype)[None],
+                    only_capture(teacher_hidden, module).to(weight.dtype)[None],
                     weight,
                     tokens[None],
                     lm_head_bias=bias,
-                    temperature=options.temperature,
                     estimator=options.estimator,
                     topk=options.topk,
                     chunk_size=options.chunk_size,
+                    **conventions.signal_kwargs(options.temperature),
                 )
             )
 
