@@ -907,3 +907,13 @@ def test_data_rows_reward_and_tools(tmp_path):
 
     for got, want in asyncio.run(run()):
         assert got == want
+
+
+def test_every_registered_credit_method_is_a_verl_estimator():
+    """The verl estimator names come from the credit registry, one per method, none of them
+    verl's own ("grpo"): a method registered in gear.credit needs no second list."""
+    from gear.credit import METHODS
+
+    assert sorted(VERL_ESTIMATORS.values()) == sorted(METHODS)
+    assert all(name.startswith("gear") for name in VERL_ESTIMATORS)
+    assert VERL_ESTIMATORS["gear_grpo"] == "grpo" and VERL_ESTIMATORS["gear_turn"] == "turn"

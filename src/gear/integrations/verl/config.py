@@ -23,18 +23,11 @@ from gear.credit import METHODS, CreditParams
 from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
 from gear.teacher import HINT_KINDS, HINT_TEMPLATES
 
-#: verl estimator name -> gear.credit method. Distinct from verl's own names (no bare "grpo").
+#: verl estimator name -> gear.credit method, one per registered method: the method's own name
+#: where it starts with "gear", else "gear_" + name (no bare "grpo": verl has its own).
+#: "gear_grpo" is plain GRPO through GEAR's plumbing (same epsilon, same logging).
 VERL_ESTIMATORS: dict[str, str] = {
-    "gear": "gear",
-    "gear_token": "gear_token",
-    "gear_kl_only": "gear_kl_only",
-    "gear_entropy_only": "gear_entropy_only",
-    "gear_turn": "turn",
-    "gear_fixed": "fixed",
-    "gear_random": "random",
-    "gear_rlsd": "rlsd",
-    "gear_entropy_top": "entropy_top",
-    "gear_grpo": "grpo",  # plain GRPO through GEAR's plumbing (same epsilon, same logging)
+    (name if name.startswith("gear") else f"gear_{name}"): name for name in METHODS
 }
 TRAINER_MODE = "gear_sync"
 TEACHERS = ("current",)  # of gear.teacher.TEACHERS, the ones the verl integration runs
