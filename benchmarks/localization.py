@@ -977,9 +977,11 @@ def _natural(nat: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     combos = [(n, s) for s in NATURAL_SIGNALS for n in NATURAL_METHODS]
     combos += [(n, "full") for n in NATURAL_PLAIN]
     diffs: dict[str, dict[str, float]] = {}
+    reals: dict[str, list[dict[str, float]]] = {}
     for name, signal in combos:
         label = name if signal == "full" or name in NATURAL_PLAIN else f"{name}[{signal}]"
         real, fake = natural_eval(bad, name, signal), natural_eval(plc, name, signal)
+        reals[label] = real
         for target, rows, rr in ((out["methods"], real, bad), (out["placebo"], fake, plc)):
             target[label] = {}
             for k in keys:
@@ -992,6 +994,24 @@ def _natural(nat: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         print(f"natural {label:18s} L {out['methods'][label]['L']:.3f} "
               f"placebo {out['placebo'][label]['L']:.3f}  real-placebo {m:+.3f} "
               f"[{ci[0]:+.3f}, {ci[1]:+.3f}] ({n} prompts)", flush=True)  # fmt: skip
+    # Descriptive, on every failed row (no placebo, so positional effects are not removed):
+    # paired per row, bootstrap over prompts.
+    groups = [r["case"]["group"] for r in bad]
+    out["paired_real"] = {}
+    for a, b in (
+        ("gear", "grpo"),
+        ("gear", "random"),
+        ("gear", "gear_token"),
+        ("gear[k1]", "gear"),
+        ("gear_token[k1]", "gear_token"),
+        ("gear", "rlsd"),
+        ("gear[k1]", "random[k1]"),
+    ):
+        out["paired_real"][f"{a}-{b}"] = {}
+        for k in ("L", "exact_top3"):
+            d = [x[k] - y[k] for x, y in zip(reals[a], reals[b], strict=True)]
+            m, ci, _ = bootstrap_ci(d, groups)
+            out["paired_real"][f"{a}-{b}"][k], out["paired_real"][f"{a}-{b}"][f"{k}_ci"] = m, ci
     shared = [g for g in diffs["gear"] if g in diffs["gear[k1]"]]
     m, ci, n = bootstrap_ci([diffs["gear[k1]"][g] - diffs["gear"][g] for g in shared])
     out["decision_input"] = {"failed_rows": len(bad), "d_loc": {"mean": m, "ci": ci, "prompts": n}}

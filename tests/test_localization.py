@@ -4,6 +4,7 @@ forward. No real model: the byte tokenizer and a tiny random Llama."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -168,3 +169,53 @@ def test_a_new_number_that_is_a_prefix_of_the_old_one_errs_after_it():
     assert (bad, new) == ("7 * 2 = 1, then 10 - 8 = 2.", "1")
     assert err == 9 and bad[err] == "," and end == 10  # the ',' is the first wrong character
     assert bad[step[0] : step[1]] == "7 * 2 = 1"
+
+
+# ---------------------------------------------------------------- on-policy set (issue 23)
+
+
+def test_top_k_share_breaks_ties_at_random():
+    w = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0])
+    assert loc.top_k_share(w, 1) == 1.0  # the single highest
+    assert loc.top_k_share(w, 2) == pytest.approx(2 / 3)  # 2 slots left among 3 tied
+    assert loc.top_k_share(w, 0) == 0.0
+    assert loc.top_k_share(torch.ones(6), 4) == pytest.approx(0.5)  # flat: k / T
+
+
+def test_blame_shares_split_the_extra_blame_before_at_and_after_the_step():
+    w = torch.tensor([1.5, 1.0, 2.0, 3.0, 0.5, 1.5])
+    before, at, after = loc.blame_shares(w, 2, 4)
+    assert (before, at, after) == pytest.approx((0.5 / 4, 3.0 / 4, 0.5 / 4))
+    assert all(math.isnan(x) for x in loc.blame_shares(torch.ones(4), 1, 2))
+
+
+def test_natural_metrics_step_or_next_token():
+    w = torch.tensor([1.0, 1.0, 1.0, 2.0, 1.0])
+    m = loc.natural_row_metrics(w, error=1, step=(1, 3))
+    assert m["L"] == 1.0 and m["hit1_step"] == 0.0  # the token right after the step counts
+
+
+def _rec(group, n, error=None, equations=None):
+    r = {"case": {"group": group, "detail": {}}, "ids": list(range(n)), "kl": [0.0] * n,
+         "entropy": [0.0] * n, "lp_s": [0.0] * n, "lp_t": [0.0] * n}  # fmt: skip
+    if error is not None:
+        r.update(error=error[0], error_end=error[1], step=list(error[2:]))
+        r["case"]["detail"]["equation"] = error[4]
+    if equations is not None:
+        r["equations"] = equations
+    return r
+
+
+def test_placebo_marks_the_same_equation_index_on_correct_rows_of_the_same_prompt():
+    nat = {
+        "p0": [_rec("p0", 8, error=(5, 6, 3, 6, 1)),
+               _rec("p0", 9, equations=[[0, 3, 2, 3], [4, 8, 7, 8]]),
+               _rec("p0", 5, equations=[[0, 4, 3, 4]])],  # fewer equations: the last
+        "p1": [_rec("p1", 6, equations=[[0, 3, 2, 3]])],  # no failed row: no placebo
+    }  # fmt: skip
+    plc = loc.placebo_rows(nat)
+    assert [(r["error"], r["step"]) for r in plc] == [(7, [4, 8]), (3, [0, 4])]
+    # the checker oracle blames the real error and nothing on a placebo row
+    (w_real,) = loc.natural_weights([nat["p0"][0]], "oracle", "full", 0)
+    assert int(w_real.argmax()) in range(3, 6) and w_real.max() > 1
+    assert torch.allclose(loc.natural_weights(plc, "oracle", "full", 0)[0], torch.ones(9).double())
