@@ -48,7 +48,7 @@ from onpolicy import check_rollout, sample_groups
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-CACHE = HERE.parent / "runs" / "update_gain"
+CACHE = HERE.parent / "runs" / "update_gain" / "default"
 ARMS = (
     "grpo", "gear", "gear_k1", "gear_k3", "gear_token", "rlsd", "random", "fixed", "oracle",
     "shuffled", "sft",
@@ -205,7 +205,7 @@ def group_influence(
 def _task_rows(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from gear.tasks.arithmetic import ArithmeticTask
 
-    task = ArithmeticTask(mix=args.mix)
+    task = ArithmeticTask(mix=None if args.mix == "default" else args.mix)
     return task, task.dataset("train", n=5000, seed=0), task.dataset("test", n=args.eval_n, seed=0)
 
 
@@ -283,7 +283,7 @@ def run_collect(args: argparse.Namespace) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     task, train, test = _task_rows(args)
     model, tok = load_model()
-    gpath = cache / f"g_eval_{args.eval_n}.pt"
+    gpath = cache / f"g_eval_{args.mix}_{args.eval_n}.pt"
     if gpath.is_file():
         g = torch.load(gpath)
         log(f"held-out gradient from {gpath}")
@@ -472,7 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=8, help="Completions per prompt.")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-calls", type=int, default=6, help="Generate calls per batch at most.")
-    ap.add_argument("--mix", default="2digit", help="Arithmetic mix (the learning study's).")
+    ap.add_argument(
+        "--mix", default="default", help="Arithmetic mix: 'default' (gear train's) or a level mix."
+    )
     ap.add_argument("--eval-n", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default=str(CACHE))
