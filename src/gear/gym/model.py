@@ -1,0 +1,217 @@
+"""The gym's model: a tiny Llama over the task's 16-token vocabulary, sampling, and the warm start.
+
+The warm start is supervised training on the right solutions, half the prompts with the
+ground-truth hint and half without, so that the *same* model is a competent hinted teacher and a
+modest student. It stops as soon as the sampled held-out accuracy without the hint reaches
+`target` (checked every `check_every` steps). The result is cached on disk, keyed by everything
+that determines it, so every seed and arm of a grid starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gear.gym.task import VOCAB, ChainTask
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    init_seed: int = 0
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm start: stop once the held-out `exact` accuracy (no hint) reaches `target`.
+
+    The stop rule reads the noise-free `exact` metric (one forward pass) every `check_every`
+    steps: learning this task is sudden (accuracy ~0.1 for hundreds of steps, then 0.5 within
+    fifty), so a coarse or noisy check would overshoot the target."""
+
+    target: float = 0.3
+    lr: float = 3e-3
+    batch: int = 64
+    max_steps: int = 4000
+    check_every: int = 5
+    eval_n: int = 512
+    seed: int = 0
+
+
+def build_model(cfg: ModelConfig, task: ChainTask) -> LlamaForCausalLM:
+    """An untrained tiny Llama (tied embeddings) seeded by `cfg.init_seed`; global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(VOCAB),
+                hidden_size=cfg.hidden,
+                intermediate_size=2 * cfg.hidden,
+                num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.heads,
+                num_key_value_heads=cfg.heads,
+                max_position_embeddings=4 * task.completion_len,
+                tie_word_embeddings=True,
+                bos_token_id=VOCAB.index("<bos>"),
+                eos_token_id=None,
+                pad_token_id=None,
+            )
+        )
+    return model
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def completion_logits(model: Any, prompts: Tensor, completions: Tensor) -> Tensor:
+    """(n, T, V) logits that score each completion token given the prompt and earlier tokens."""
+    ids = torch.cat([prompts, completions], dim=1)
+    logits = model(input_ids=ids, use_cache=False).logits
+    return logits[:, prompts.shape[1] - 1 : -1]
+
+
+@torch.no_grad()
+def sample(
+    model: Any, prompts: Tensor, length: int, generator: torch.Generator, temperature: float = 1.0
+) -> Tensor:
+    """(n, length) sampled completion ids; every row has the same length (no EOS in the task).
+
+    Plain sampling at `temperature` (no top-k or top-p), as GRPO's; `generator` makes it
+    reproducible, so two arms given the same generator state draw the same random numbers."""
+    ids = prompts
+    for _ in range(length):
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
+        probs = torch.softmax(logits / temperature, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids[:, prompts.shape[1] :]
+
+
+@torch.no_grad()
+def evaluate(model: Any, task: ChainTask, problems: Tensor, seed: int) -> dict[str, float]:
+    """Held-out accuracy of `model` on `problems` (no hint).
+
+    `accuracy`: one sample per problem at temperature 1 from a generator seeded by `seed` (common
+    random numbers across arms); `exact`: the mean probability of the right solution, teacher-
+    forced, which is the expected accuracy up to the rare rollouts whose errors cancel out,
+    without sampling noise."""
+    gen = torch.Generator().manual_seed(seed)
+    comp = sample(model, task.prompts(problems), task.completion_len, gen)
+    return {
+        "accuracy": float(task.rewards(problems, comp).mean()),
+        "exact": exact_accuracy(model, task, problems),
+    }
+
+
+@torch.no_grad()
+def exact_accuracy(model: Any, task: ChainTask, problems: Tensor) -> float:
+    """Mean probability of the right solution (no hint), teacher-forced: one forward pass."""
+    prompts, ref = task.prompts(problems), task.references(problems)
+    logp = torch.log_softmax(completion_logits(model, prompts, ref).float(), dim=-1)
+    return float(logp.gather(2, ref[..., None]).squeeze(2).sum(dim=1).exp().mean())
+
+
+def cache_dir() -> Path:
+    from gear.models import cache_root
+
+    return cache_root() / "gym"
+
+
+def warm_start_key(task: ChainTask, cfg: ModelConfig, warm: WarmStart) -> str:
+    blob = json.dumps(
+        {"task": asdict(task), "model": asdict(cfg), "warm": asdict(warm), "v": 1}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def warm_start(
+    task: ChainTask,
+    cfg: ModelConfig,
+    warm: WarmStart,
+    cache: Path | None = None,
+    log: Any = print,
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The warm-started weights (a state dict) and what the warm start reached; cached on disk.
+
+    Returns (state_dict, info) with info = {key, steps, accuracy, exact, hinted_accuracy,
+    wall_s, cached}."""
+    cache = cache if cache is not None else cache_dir()
+    key = warm_start_key(task, cfg, warm)
+    path = cache / f"warm-{key}.pt"
+    if path.is_file():
+        blob = torch.load(path, weights_only=True)
+        log(f"gym: warm start {key} from the cache ({path})")
+        return blob["state"], {**blob["info"], "cached": True}
+
+    t0 = time.perf_counter()
+    model = build_model(cfg, task)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=warm.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(warm.seed)
+    eval_problems = task.problems(warm.eval_n, torch.Generator().manual_seed(10_000), "test")
+    step = 0
+    while step < warm.max_steps:
+        problems = task.problems(warm.batch, gen)
+        hinted = torch.rand(warm.batch, generator=gen) < 0.5
+        ref = task.references(problems)
+        loss = 0.0
+        for rows, prompts in (
+            (hinted, task.teacher_prompts(problems[hinted])),
+            (~hinted, task.prompts(problems[~hinted])),
+        ):
+            if rows.any():
+                logits = completion_logits(model, prompts, ref[rows])
+                loss = loss + F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), ref[rows].reshape(-1), reduction="sum"
+                )
+        opt.zero_grad(set_to_none=True)
+        (loss / ref.numel()).backward()
+        opt.step()
+        step += 1
+        if step % warm.check_every == 0:
+            exact = exact_accuracy(model, task, eval_problems)
+            if step % (10 * warm.check_every) == 0 or exact >= warm.target:
+                log(f"gym: warm start step {step}  loss {loss.item() / ref.numel():.3f}  exact {exact:.3f}")
+            if exact >= warm.target:
+                break
+    acc = evaluate(model, task, eval_problems, seed=0)
+    model.eval()
+    hinted_acc = _hinted_accuracy(model, task, eval_problems)
+    info = {
+        "key": key,
+        "steps": step,
+        "accuracy": acc["accuracy"],
+        "exact": acc["exact"],
+        "hinted_accuracy": hinted_acc,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    log(
+        f"gym: warm start done in {info['wall_s']} s, {step} steps: accuracy {acc['accuracy']:.3f}"
+        f" without the hint, {hinted_acc:.3f} with it"
+    )
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".warm-{key}.{os.getpid()}.tmp"
+    torch.save({"state": state, "info": info}, tmp)
+    tmp.replace(path)  # atomic: a concurrent run never reads half a file
+    return state, {**info, "cached": False}
+
+
+@torch.no_grad()
+def _hinted_accuracy(model: Any, task: ChainTask, problems: Tensor) -> float:
+    gen = torch.Generator().manual_seed(1)
+    comp = sample(model, task.teacher_prompts(problems), task.completion_len, gen)
+    return float(task.rewards(problems, comp).mean())

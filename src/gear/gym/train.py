@@ -1,0 +1,249 @@
+"""Arms and the RL loop of the gym.
+
+The loop is a compact plain-PyTorch GRPO over the tiny model (TRL's trainer costs more per step
+than this whole step; a grid of 20 seeds x 8 arms must fit in an hour on two cores). Everything
+that makes an arm an arm goes through gear's own code: the teacher pass scores the same tokens
+with the ground-truth hint, `gear.credit.signals.signals_from_logits` gives KL (any estimator),
+entropy and log-probs, `gear.credit.token_advantages` gives the per-token advantages, and the
+loss is TRL's `dapo` loss: the per-token ratio-clipped policy gradient summed over tokens and
+divided by the number of tokens in the batch. One gradient step per batch (TRL's default
+`num_iterations=1`), so the ratio is 1 and the clip is inert, as there.
+
+An arm is a credit method plus overrides: `gear`, `gear@estimator=k1`,
+`gear@tau_onset=0.05`, `mymod:my_method@alpha=0.3` (imports `mymod`, whose import registers
+`my_method` with `gear.credit.register_method`). The oracle arm feeds the checker's first
+wrong step as the signal of `gear_token`: the same modulation as GEAR, with its extra negative
+weight exactly on the first wrong step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gear.credit import METHODS, CreditParams, token_advantages
+from gear.credit.signals import ESTIMATORS, signals_from_logits
+from gear.gym.model import ModelConfig, build_model, completion_logits, evaluate, sample
+from gear.gym.task import STEP_LEN, ChainTask
+
+#: the default arms: name -> spec
+DEFAULT_ARMS = {
+    "grpo": "grpo",
+    "gear": "gear",
+    "gear_k1": "gear@estimator=k1",
+    "gear_token": "gear_token",
+    "rlsd": "rlsd",
+    "random": "random",
+    "fixed": f"fixed@fixed_len={STEP_LEN}",
+    "oracle": "oracle",
+}
+ARM_KEYS = ("estimator",)  # arm-level overrides; every other key is a CreditParams field
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: a credit method, its `CreditParams` overrides and the KL estimator."""
+
+    name: str
+    method: str
+    estimator: str = "full"
+    overrides: tuple[tuple[str, Any], ...] = ()
+    oracle: bool = False
+    spec: str = ""  # what `parse_arm` read (a worker process parses it again)
+
+    def params(self, seed: int) -> CreditParams:
+        return CreditParams(method=self.method, seed=seed, **dict(self.overrides))
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_arm(spec: str, name: str | None = None) -> Arm:
+    """`[module:]method[@key=value,...]` -> `Arm`. A `module:` part is imported first (so a
+    user's module can register its method); the method must then be in `gear.credit.METHODS`.
+    `oracle` is the checker's positive control."""
+    if name is None:
+        name = spec
+    original = spec
+    if spec in DEFAULT_ARMS and DEFAULT_ARMS[spec] != spec:
+        spec = DEFAULT_ARMS[spec]
+    base, _, opts = spec.partition("@")
+    if ":" in base:
+        module, _, base = base.rpartition(":")
+        importlib.import_module(module)
+    overrides: dict[str, Any] = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"arm {spec!r}: expected key=value after '@', got {item!r}")
+        overrides[key.strip()] = _value(value.strip())
+    estimator = str(overrides.pop("estimator", "full"))
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"arm {spec!r}: estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    oracle = base == "oracle"
+    method = "gear_token" if oracle else base
+    if method not in METHODS:
+        raise ValueError(
+            f"arm {spec!r}: unknown credit method {base!r}; registered: {sorted(METHODS)} "
+            "(a method in your own module: 'package.module:method')"
+        )
+    valid = {f.name for f in fields(CreditParams)} - {"method", "seed"}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"arm {spec!r}: unknown option(s) {unknown}; valid: {sorted(valid)}")
+    arm = Arm(name, method, estimator, tuple(sorted(overrides.items())), oracle, original)
+    arm.params(0)  # validates the values now, not mid-grid
+    return arm
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    steps: int = 60
+    prompts: int = 16  # prompts per step
+    group: int = 8  # rollouts per prompt
+    lr: float = 3e-4  # 1e-3 collapsed the just-warm-started model (0.45 -> 0.17 in 30 steps)
+    epsilon: float = 0.2  # ratio clip (inert with one update per batch)
+    temperature: float = 1.0
+    eval_every: int = 10
+    eval_n: int = 256
+
+
+def group_advantages(rewards: Tensor, group: int) -> Tensor:
+    """(N,) GRPO advantages (r - group mean) / (group std + 1e-4), spec §1."""
+    r = rewards.view(-1, group)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
+    return adv.view(-1)
+
+
+def credit(
+    arm: Arm,
+    task: ChainTask,
+    problems: Tensor,
+    completions: Tensor,
+    advantages: Tensor,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    seed: int,
+    temperature: float = 1.0,
+) -> Tensor:
+    """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient)."""
+    mask = torch.ones_like(completions, dtype=torch.bool)
+    sig = signals_from_logits(
+        student_logits.detach(),
+        teacher_logits,
+        completions,
+        temperature=temperature,
+        estimator=arm.estimator,
+    )
+    kl = sig.kl
+    if arm.oracle:
+        kl = task.step_mask(task.first_wrong_step(problems, completions)).float()
+    return token_advantages(
+        advantages,
+        mask,
+        kl=kl,
+        entropy=sig.entropy,
+        student_logprobs=sig.student_logprobs,
+        teacher_logprobs=sig.teacher_logprobs,
+        params=arm.params(seed),
+    )
+
+
+def dapo_loss(logits: Tensor, old_logp: Tensor, completions: Tensor, adv: Tensor, eps: float):
+    """TRL's `dapo` loss: -min(ratio * A_t, clip(ratio) * A_t) summed over tokens / token count."""
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(2, completions[..., None]).squeeze(2)
+    ratio = torch.exp(logp - old_logp)
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    return per_token.sum() / completions.numel()
+
+
+def rl_step(
+    model: Any,
+    opt: torch.optim.Optimizer,
+    arm: Arm,
+    task: ChainTask,
+    cfg: RLConfig,
+    problems: Tensor,
+    gen: torch.Generator,
+    credit_seed: int,
+) -> dict[str, float]:
+    """One GRPO step on `problems` (each repeated `cfg.group` times). Returns step metrics."""
+    rep = problems.repeat_interleave(cfg.group, dim=0)
+    prompts = task.prompts(rep)
+    comp = sample(model, prompts, task.completion_len, gen, cfg.temperature)
+    rewards = task.rewards(rep, comp)
+    adv = group_advantages(rewards, cfg.group)
+    out = {"reward": float(rewards.mean()), "updated": 0.0}
+    if not bool(adv.abs().gt(0).any()):
+        return out  # every group uniform: no signal, as in GRPO
+    logits = completion_logits(model, prompts, comp)
+    with torch.no_grad():  # the teacher: the current weights, the hinted prompt (spec §4)
+        teacher_logits = completion_logits(model, task.teacher_prompts(rep), comp)
+        old_logp = torch.log_softmax(logits.float(), -1).gather(2, comp[..., None]).squeeze(2)
+    adv_tok = credit(arm, task, rep, comp, adv, logits, teacher_logits, credit_seed)
+    loss = dapo_loss(logits, old_logp, comp, adv_tok.to(logits.dtype), cfg.epsilon)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    out.update(loss=loss.item(), updated=1.0)
+    return out
+
+
+def eval_problems(task: ChainTask, n: int) -> Tensor:
+    """The held-out problems every seed and arm is evaluated on."""
+    return task.problems(n, torch.Generator().manual_seed(20_000), "test")
+
+
+def train_arm(
+    arm: Arm,
+    seed: int,
+    task: ChainTask,
+    model_cfg: ModelConfig,
+    state: dict[str, Tensor],
+    cfg: RLConfig,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Train one arm for one seed from the warm start; paired: the prompts and the random
+    numbers of sampling and evaluation depend on (seed, step) only, never on the arm.
+
+    Returns {arm, seed, curve: [{step, accuracy, exact}], rewards, wall_s}."""
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, task)
+    model.load_state_dict(state)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    prompt_gen = torch.Generator().manual_seed(1_000 + seed)
+    held_out = eval_problems(task, cfg.eval_n)
+    curve = [{"step": 0, **evaluate(model, task, held_out, seed=seed * 100_003)}]
+    rewards = []
+    for step in range(1, cfg.steps + 1):
+        problems = task.problems(cfg.prompts, prompt_gen)
+        gen = torch.Generator().manual_seed(seed * 100_003 + step)
+        m = rl_step(model, opt, arm, task, cfg, problems, gen, credit_seed=seed * 100_003 + step)
+        rewards.append(m["reward"])
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            curve.append({"step": step, **evaluate(model, task, held_out, seed=seed * 100_003 + step)})
+            log(
+                f"gym: {arm.name} seed {seed} step {step}/{cfg.steps}  reward {m['reward']:.3f}  "
+                f"held-out {curve[-1]['accuracy']:.3f} (exact {curve[-1]['exact']:.3f})  "
+                f"{(time.perf_counter() - t0) / step:.2f} s/step"
+            )
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "curve": curve,
+        "rewards": rewards,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
