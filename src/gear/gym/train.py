@@ -234,7 +234,9 @@ def train_arm(
         m = rl_step(model, opt, arm, task, cfg, problems, gen, credit_seed=seed * 100_003 + step)
         rewards.append(m["reward"])
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            curve.append({"step": step, **evaluate(model, task, held_out, seed=seed * 100_003 + step)})
+            curve.append(
+                {"step": step, **evaluate(model, task, held_out, seed=seed * 100_003 + step)}
+            )
             log(
                 f"gym: {arm.name} seed {seed} step {step}/{cfg.steps}  reward {m['reward']:.3f}  "
                 f"held-out {curve[-1]['accuracy']:.3f} (exact {curve[-1]['exact']:.3f})  "

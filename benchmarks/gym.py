@@ -1,0 +1,52 @@
+"""The credit gym (issue 20): every arm x seed on the chain task, paired statistics, JSON, plots.
+
+    python benchmarks/gym.py --quick                 # smoke test, a few minutes
+    python benchmarks/gym.py --workers 2             # the default grid: 8 arms x 20 seeds
+    python benchmarks/gym.py --methods grpo --methods mymod:my_method --seeds 10
+    python benchmarks/gym.py --sweep 0.05 0.1 0.2 0.4
+
+Writes benchmarks/results/gym.json (or --out) and plots under benchmarks/results/gym/.
+See docs/gym.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gear.gym import run, table
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--methods", action="append", help="arm spec (repeat); default: all 8 arms")
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--length", type=int, default=4, help="chain length (steps per problem)")
+    ap.add_argument("--sweep", type=float, nargs="*", default=[], help="tau_onset values")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="3 seeds x 20 steps: a smoke test")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gym.json")
+    ap.add_argument("--plots", type=Path, default=RESULTS / "gym")
+    a = ap.parse_args(argv)
+    result = run(
+        a.methods,
+        seeds=a.seeds,
+        steps=a.steps,
+        length=a.length,
+        quick=a.quick,
+        sweep=a.sweep,
+        workers=a.workers,
+        out=a.out,
+        plot_dir=a.plots,
+    )
+    print(table(result))
+    print(f"wall {result['wall_s']} s on {result['machine']['cpu_capability']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

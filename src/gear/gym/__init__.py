@@ -1,0 +1,199 @@
+"""The credit gym: a small task where credit assignment matters and the first error is known,
+a tiny model that learns it on a CPU, and paired seeds for real intervals (issue 20).
+
+`run(...)` is the entry point: warm start (cached), localisation of blame on natural failures,
+then every arm x seed from the same warm start, then paired statistics, JSON and plots.
+Components: `task` (the chain task and its checker), `model` (tiny Llama, sampling, warm start),
+`train` (arms, the RL loop through `gear.credit`), `report` (statistics, localisation, plots).
+See docs/gym.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gear.gym.model import ModelConfig, WarmStart, build_model, n_params, warm_start
+from gear.gym.report import localisation, plots, summarise
+from gear.gym.task import ChainTask
+from gear.gym.train import DEFAULT_ARMS, Arm, RLConfig, parse_arm, train_arm
+
+__all__ = ["DEFAULT_ARMS", "QUICK", "ChainTask", "RLConfig", "parse_arm", "run", "table"]
+
+#: the quick mode: a smoke test of the whole pipeline in a few minutes, not evidence
+QUICK = {"seeds": 3, "steps": 20, "eval_every": 5, "eval_n": 128, "loc_prompts": 64}
+
+
+def _threads() -> None:
+    torch.set_num_threads(1)
+
+
+def _job(args: tuple) -> dict[str, Any]:
+    name, spec, seed, task, model_cfg, state, rl = args
+    _threads()
+    return train_arm(parse_arm(spec, name), seed, task, model_cfg, state, rl)
+
+
+def _finite(x: Any) -> Any:
+    """NaN (an interval of one seed) -> None, so the JSON is standard."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result as plain-text tables: arms, paired differences, localisation."""
+    lines = [f"{'arm':<16}{'final':>8}{'95% CI':>18}{'exact':>8}{'reached':>9}"]
+    for name, a in result["arms"].items():
+        lo, hi = a["final_ci"]
+        st = a["steps_to_threshold"]
+        lines.append(
+            f"{name:<16}{a['final']:>8.3f}{f'[{lo:.3f}, {hi:.3f}]':>18}{a['final_exact']:>8.3f}"
+            f"{st['reached']:>5}/{st['of']}"
+        )
+    lines += ["", f"{'paired':<22}{'mean':>8}{'95% CI':>20}{'wins':>7}"]
+    for name, d in result["paired"].items():
+        lo, hi = d["ci"]
+        lines.append(
+            f"{name:<22}{d['mean']:>+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>20}{d['wins']:>4}/{d['n']}"
+        )
+    loc = result["localisation"]
+    lines += [
+        "",
+        f"localisation: {loc['failures']} failures, {loc['placebo_rows']} placebo rows"
+        f" (chance hit_step {loc['chance_hit_step']:.3f})",
+        f"{'arm':<16}{'hit_step':>10}{'placebo':>10}{'hit_token':>11}{'mass_lift':>11}",
+    ]
+    for name, r in loc["arms"].items():
+        real, plac = r.get("real", {}), r.get("placebo", {})
+        lines.append(
+            f"{name:<16}{real.get('hit_step', math.nan):>10.3f}{plac.get('hit_step', math.nan):>10.3f}"
+            f"{real.get('hit_token', math.nan):>11.3f}{real.get('mass_lift', math.nan):>11.3f}"
+        )
+    return "\n".join(lines)
+
+
+def sweep_arms(taus: Sequence[float]) -> list[Arm]:
+    return [parse_arm(f"gear@tau_onset={t}", name=f"gear_tau{t:g}") for t in taus]
+
+
+def run(
+    methods: Sequence[str] | None = None,
+    *,
+    seeds: int | Sequence[int] = 20,
+    steps: int = 60,
+    length: int = 4,
+    quick: bool = False,
+    sweep: Sequence[float] = (),
+    workers: int = 1,
+    out: str | Path | None = None,
+    plot_dir: str | Path | None = None,
+    threshold: float | None = None,
+    rl: RLConfig | None = None,
+    model_cfg: ModelConfig | None = None,
+    warm: WarmStart | None = None,
+    loc_prompts: int = 256,
+    cache: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the gym and return (and write to `out`, if given) the result dict.
+
+    Args:
+        methods: arm specs (`train.parse_arm`): default arm names, any registered credit
+            method, `module:method` (imported first) or `method@key=value,...`. Default: all
+            of `DEFAULT_ARMS`.
+        seeds: a count (0..n-1) or explicit seeds. steps: RL steps per run.
+        length: chain length (steps per problem). quick: `QUICK` sizes (overrides the above).
+        sweep: `tau_onset` values; each adds a `gear@tau_onset=t` arm and a `sweep` entry.
+        workers: processes (spawned; each uses one thread).
+        threshold: the "steps to threshold" level (default warm-start accuracy + 0.15).
+    """
+    t0 = time.perf_counter()
+    rl = rl or RLConfig()
+    loc_n = loc_prompts
+    if quick:
+        seeds, steps, loc_n = QUICK["seeds"], QUICK["steps"], QUICK["loc_prompts"]
+        rl = replace(rl, eval_every=QUICK["eval_every"], eval_n=QUICK["eval_n"])
+    rl = replace(rl, steps=steps)
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    specs = list(methods) if methods else list(DEFAULT_ARMS)
+    arms = [parse_arm(s) for s in specs] + sweep_arms(sweep)
+    if len({a.name for a in arms}) != len(arms):
+        raise ValueError(f"gym: two arms share a name: {[a.name for a in arms]}")
+    task, model_cfg, warm = ChainTask(length), model_cfg or ModelConfig(), warm or WarmStart()
+    _threads()
+
+    state, warm_info = warm_start(task, model_cfg, warm, cache=cache, log=log)
+    model = build_model(model_cfg, task)
+    model.load_state_dict(state)
+    log(f"gym: localisation on natural failures ({loc_n} prompts x {rl.group})")
+    loc = localisation(model, task, arms, prompts=loc_n, group=rl.group)
+
+    jobs = [(a.name, a.spec, s, task, model_cfg, state, rl) for s in seed_list for a in arms]
+    log(f"gym: {len(arms)} arms x {len(seed_list)} seeds x {steps} steps, {workers} worker(s)")
+    if workers > 1:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            runs = list(pool.map(_job, jobs))
+    else:
+        runs = [_job(j) for j in jobs]
+
+    if threshold is None:
+        threshold = round(warm_info["accuracy"] + 0.15, 3)
+    stats = summarise(runs, threshold)
+    result: dict[str, Any] = {
+        "task": {"name": "chain_sum_mod10", **asdict(task), "tokens": task.completion_len},
+        "model_params": n_params(model),
+        "model": asdict(model_cfg),
+        "warm_start": warm_info,
+        "seeds": seed_list,
+        "steps": steps,
+        "rl": asdict(rl),
+        "metric": "held-out sampled accuracy (one sample per problem, temperature 1)",
+        "quick": quick,
+        "arm_specs": {a.name: a.spec for a in arms},
+        **stats,
+        "sweep": [
+            {
+                "tau_onset": dict(a.overrides)["tau_onset"],
+                "arm": a.name,
+                "final": stats["arms"][a.name]["final"],
+                "final_ci": stats["arms"][a.name]["final_ci"],
+                "vs_grpo": stats["paired"].get(f"{a.name}-grpo"),
+            }
+            for a in sweep_arms(sweep)
+        ],
+        "localisation": loc,
+        "runs": runs,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.machine(),
+            "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+            "torch": torch.__version__,
+            "workers": workers,
+        },
+    }
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(_finite(result), indent=1) + "\n")
+        log(f"gym: wrote {out}")
+    if plot_dir is not None:
+        for p in plots(result, Path(plot_dir)):
+            log(f"gym: wrote {p}")
+    return result

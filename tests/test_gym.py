@@ -1,0 +1,166 @@
+"""The credit gym (issue 20): checker, oracle weights, user methods, the RL step, the JSON."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gear.gym import run
+from gear.gym.model import ModelConfig, WarmStart, build_model
+from gear.gym.task import STEP_LEN, ChainTask
+from gear.gym.train import RLConfig, credit, parse_arm, rl_step
+
+TINY = ModelConfig(hidden=16, layers=1, heads=2)
+MICRO_WARM = WarmStart(target=1.0, max_steps=10, check_every=5, eval_n=16, batch=16)
+MICRO_RL = RLConfig(prompts=4, group=4, eval_every=1, eval_n=16)
+
+
+def loop_first_wrong_step(start: int, operands: list[int], text: str) -> int:
+    """Plain loop: walk the steps 'p+x=r;' and return the first that is not the right one."""
+    value = start
+    for k, x in enumerate(operands):
+        right = f"{value}+{x}={(value + x) % 10};"
+        if text[STEP_LEN * k : STEP_LEN * (k + 1)] != right:
+            return k
+        value = (value + x) % 10
+    return -1
+
+
+def test_checker_finds_the_first_wrong_step_like_a_plain_loop():
+    task, rng = ChainTask(5), random.Random(0)
+    problems = task.problems(300, torch.Generator().manual_seed(0))
+    comp = task.references(problems).clone()
+    for row in comp:  # corrupt 0-3 random tokens per row with random vocabulary ids
+        for _ in range(rng.randint(0, 3)):
+            row[rng.randrange(len(row))] = rng.randrange(15)
+    got = task.first_wrong_step(problems, comp).tolist()
+    want = [
+        loop_first_wrong_step(int(p[0]), p[1:].tolist(), task.decode(c))
+        for p, c in zip(problems, comp, strict=True)
+    ]
+    assert got == want
+    assert -1 in got and any(g >= 0 for g in got)
+    # the outcome reward reads only the final result
+    assert task.rewards(problems, task.references(problems)).eq(1).all()
+
+
+def test_train_and_test_problems_are_disjoint():
+    task = ChainTask(3)
+    train = task.problems(500, torch.Generator().manual_seed(1), "train")
+    test = task.problems(500, torch.Generator().manual_seed(1), "test")
+    assert not set(map(tuple, train.tolist())) & set(map(tuple, test.tolist()))
+
+
+def test_oracle_weights_land_exactly_on_the_first_wrong_step():
+    task = ChainTask(4)
+    problems = task.problems(8, torch.Generator().manual_seed(2))
+    comp = task.references(problems).clone()
+    wrong_steps = [0, 1, 2, 3, 1, -1, -1, 2]
+    for i, k in enumerate(wrong_steps):
+        if k >= 0:
+            pos = STEP_LEN * k + 4  # the result digit
+            comp[i, pos] = (comp[i, pos] + 1) % 10
+    adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, -0.5, 1.0, 0.5, -2.0])
+    logits = torch.randn(8, task.completion_len, 16)
+    w = (
+        credit(parse_arm("oracle"), task, problems, comp, adv, logits, logits, seed=0)
+        / adv[:, None]
+    )
+    for i, k in enumerate(wrong_steps):
+        if k < 0:
+            assert torch.allclose(w[i], torch.ones_like(w[i]))  # no error: plain GRPO
+            continue
+        top = (w[i] == w[i].max()).nonzero().flatten().tolist()
+        assert top == list(range(STEP_LEN * k, STEP_LEN * (k + 1)))
+        assert w[i].mean().item() == pytest.approx(1.0)  # mass preserved
+
+
+def test_one_rl_step_changes_the_parameters():
+    task = ChainTask(3)
+    model = build_model(TINY, task)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    problems = task.problems(4, torch.Generator().manual_seed(3))
+    for seed in range(5):  # an untrained model can draw uniform groups; a later draw will not
+        out = rl_step(
+            model, opt, parse_arm("gear"), task, MICRO_RL, problems,
+            torch.Generator().manual_seed(seed), credit_seed=seed,
+        )  # fmt: skip
+        if out["updated"]:
+            break
+    assert out["updated"] == 1.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_arm_specs_are_checked():
+    arm = parse_arm("gear@estimator=k1,tau_onset=0.2")
+    assert (arm.method, arm.estimator, arm.params(0).tau_onset) == ("gear", "k1", 0.2)
+    with pytest.raises(ValueError, match="unknown credit method"):
+        parse_arm("no_such_method")
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_arm("gear@nope=1")
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """A micro run: two default arms and a method registered in a user's own module."""
+    root = tmp_path_factory.mktemp("gym")
+    (root / "gym_user_methods.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from gear.credit import MethodOutput, register_method
+
+            @register_method("gym_test_last_step", requires=("kl",))
+            def last_step(x, p):
+                w = torch.ones_like(x.kl)
+                w[:, -6:] = 2.0
+                return MethodOutput(weights=torch.where(x.valid, w, 1.0))
+            """
+        )
+    )
+    sys.path.insert(0, str(root))
+    try:
+        result = run(
+            ["grpo", "oracle", "gym_user_methods:gym_test_last_step"],
+            seeds=2,
+            steps=2,
+            length=3,
+            rl=MICRO_RL,
+            model_cfg=TINY,
+            warm=MICRO_WARM,
+            loc_prompts=4,
+            cache=root / "cache",
+            out=root / "gym.json",
+            plot_dir=root / "plots",
+            log=lambda _: None,
+        )
+    finally:
+        sys.path.remove(str(root))
+    return root, result
+
+
+def test_a_user_registered_method_runs_through_the_gym(micro):
+    _, result = micro
+    arm = result["arms"]["gym_user_methods:gym_test_last_step"]
+    assert len(arm["per_seed"]) == 2 and len(arm["curve"]) == 3  # steps 0, 1, 2
+
+
+def test_the_json_has_the_documented_fields(micro):
+    root, _ = micro
+    data = json.loads((root / "gym.json").read_text())
+    for key in ("task", "model_params", "seeds", "steps", "wall_s", "machine", "arms", "paired",
+                "sweep", "localisation"):  # fmt: skip
+        assert key in data
+    assert data["seeds"] == [0, 1] and data["steps"] == 2
+    for arm in data["arms"].values():
+        assert {"final", "final_ci", "curve"} <= set(arm)
+    assert {"mean", "ci"} <= set(data["paired"]["oracle-grpo"])
+    assert data["localisation"]["arms"]["oracle"]["real"]["hit_step"] == pytest.approx(1.0)
+    assert (root / "plots" / "gym_curves.png").is_file()
+    assert (root / "plots" / "gym_paired.png").is_file()
