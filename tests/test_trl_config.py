@@ -64,3 +64,36 @@ def test_config_defaults_follow_the_spec(tmp_path):
 def test_config_refuses_bad_values(tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         fast_config(tmp_path, **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("learning_rate", -1.0, "a value >= 0"),
+        ("max_steps", -5, "a value >= 1 or -1"),
+        ("per_device_train_batch_size", 0, "a value >= 1"),
+        ("beta", -1.0, "a value >= 0"),
+        ("temperature", 0.0, "a value > 0"),
+        ("max_completion_length", 0, "a value >= 1 or null"),
+        ("num_generations", 0, "a value >= 2"),  # TRL itself: ZeroDivisionError
+        ("loss_type", "nope", "one of 'grpo', 'dr_grpo', 'dapo'"),
+    ],
+)
+def test_config_refuses_values_trl_accepts_naming_field_value_and_range(
+    tmp_path, field, value, expected
+):
+    with pytest.raises(ValueError) as info:
+        fast_config(tmp_path, **{field: value})
+    assert str(info.value).startswith(f"GEARConfig.{field}: got {value!r}, expected {expected}")
+
+
+def test_every_declared_check_names_a_field_and_passes_the_defaults(tmp_path):
+    from gear.integrations.trl.config import config_checks
+
+    fields = {f.name: f for f in dataclasses.fields(GEARConfig)}
+    for name, check in config_checks().items():
+        assert name in fields, name
+        f = fields[name]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert check.ok(default), (name, default)
+    assert fast_config(tmp_path, max_steps=-1).max_steps == -1  # HF's "train by epochs"

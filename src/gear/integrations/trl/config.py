@@ -8,13 +8,61 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from gear.constraints import Check, check_field, field_checks
 from gear.credit import CreditParams
 from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
 from gear.teacher import HINT_KINDS, HINT_TEMPLATES, TEACHERS, TEXT_HINT_POSITIONS
 
 LOSS_MODES = ("rl", "self_distill")
+# TRL's loss formulations (GRPOConfig.loss_type's help; GRPOTrainer raises on any other, but only
+# when it first computes a loss)
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+# Values of fields inherited from TRL's GRPOConfig (and HF's TrainingArguments) that neither
+# checks up front: without these, `learning_rate=-1` trains uphill, `max_steps=-5` silently trains
+# by epochs, `temperature=0` fails in generation and `loss_type=nope` after the first evaluation,
+# `num_generations=0` is a ZeroDivisionError. gear's own fields declare theirs in field metadata.
+TRL_FIELD_CHECKS: dict[str, Check] = {
+    "learning_rate": Check(ge=0),
+    "max_steps": Check(ge=1, also=(-1,)),  # -1: HF's "not set", train num_train_epochs
+    "num_train_epochs": Check(gt=0),
+    "per_device_train_batch_size": Check(ge=1),
+    "per_device_eval_batch_size": Check(ge=1),
+    "gradient_accumulation_steps": Check(ge=1),
+    "num_generations": Check(ge=2),  # GRPO's advantages need a group of at least 2
+    "num_generations_eval": Check(ge=1, also=(None,)),
+    "steps_per_generation": Check(ge=1, also=(None,)),
+    "generation_batch_size": Check(ge=1, also=(None,)),
+    "num_iterations": Check(ge=1),
+    "max_completion_length": Check(ge=1, also=(None,)),
+    "temperature": Check(gt=0),
+    "top_p": Check(gt=0, le=1),
+    "top_k": Check(ge=0),
+    "min_p": Check(ge=0, le=1, also=(None,)),
+    "repetition_penalty": Check(gt=0),
+    "beta": Check(ge=0),
+    "epsilon": Check(ge=0),
+    "epsilon_high": Check(ge=0, also=(None,)),
+    "loss_type": Check(choices=TRL_LOSS_TYPES),
+    "warmup_steps": Check(ge=0),
+    "weight_decay": Check(ge=0),
+    "max_grad_norm": Check(ge=0),
+    "logging_steps": Check(gt=0),
+    "save_steps": Check(gt=0),
+    "save_total_limit": Check(ge=1, also=(None,)),
+}
 
 _CREDIT_FIELDS = {f.name: f for f in dataclasses.fields(CreditParams)}
+
+
+_TEMPLATE = Check(
+    test=lambda t: isinstance(t, str) and "{ground_truth}" in t,
+    expect="a template with a '{ground_truth}' placeholder",
+)
+
+
+def _checked(default: Any, help: str, check: Check) -> Any:
+    return field(default=default, metadata={"help": help, "check": check})
 
 
 def _credit_field(name: str) -> Any:
@@ -59,16 +107,13 @@ class GEARConfig(GRPOConfig):
     )
 
     # Teacher (spec §4)
-    teacher: str = field(
-        default="current",
-        metadata={
-            "help": "'current': the policy's weights; 'frozen': the initial weights (or `teacher_model`); "
-            "'ema': an exponential moving average of the policy, updated after each optimizer step."
-        },
+    teacher: str = _checked(
+        "current",
+        "'current': the policy's weights; 'frozen': the initial weights (or `teacher_model`); "
+        "'ema': an exponential moving average of the policy, updated after each optimizer step.",
+        Check(choices=TEACHERS),
     )
-    ema_decay: float = field(
-        default=0.99, metadata={"help": "Decay of the 'ema' teacher, in [0, 1)."}
-    )
+    ema_decay: float = _checked(0.99, "Decay of the 'ema' teacher, in [0, 1).", Check(ge=0, lt=1))
     ground_truth_column: str = field(
         default="ground_truth",
         metadata={
@@ -77,42 +122,37 @@ class GEARConfig(GRPOConfig):
             "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
         },
     )
-    hint_kind: str = field(
-        default="auto",
-        metadata={
-            "help": "Which hint template the teacher gets: 'math', 'tool', or 'auto' ('tool' when the "
-            "trainer has tools or an environment, else 'math')."
-        },
+    hint_kind: str = _checked(
+        "auto",
+        "Which hint template the teacher gets: 'math', 'tool', or 'auto' ('tool' when the "
+        "trainer has tools or an environment, else 'math').",
+        Check(choices=HINT_KINDS),
     )
-    math_hint_template: str = field(
-        default=HINT_TEMPLATES["math"],
-        metadata={"help": "Teacher hint for math; holds {ground_truth}."},
+    math_hint_template: str = _checked(
+        HINT_TEMPLATES["math"], "Teacher hint for math; holds {ground_truth}.", _TEMPLATE
     )
-    tool_hint_template: str = field(
-        default=HINT_TEMPLATES["tool"],
-        metadata={"help": "Teacher hint for tool use; holds {ground_truth}."},
+    tool_hint_template: str = _checked(
+        HINT_TEMPLATES["tool"], "Teacher hint for tool use; holds {ground_truth}.", _TEMPLATE
     )
-    text_hint_position: str = field(
-        default="before",
-        metadata={
-            "help": "Where a plain-text (non-chat) prompt gets the hint: 'before' the prompt, so "
-            "the prompt still ends as the student's did and the completion continues it, or "
-            "'after' it. Chat prompts get it at the end of the last user message."
-        },
+    text_hint_position: str = _checked(
+        "before",
+        "Where a plain-text (non-chat) prompt gets the hint: 'before' the prompt, so "
+        "the prompt still ends as the student's did and the completion continues it, or "
+        "'after' it. Chat prompts get it at the end of the last user message.",
+        Check(choices=TEXT_HINT_POSITIONS),
     )
-    teacher_max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Token budget of a teacher prompt; longer ones lose the middle of the ground truth "
-            "(counted as gear/teacher_prompts_truncated). None: no limit."
-        },
+    teacher_max_prompt_length: int | None = _checked(
+        None,
+        "Token budget of a teacher prompt; longer ones lose the middle of the ground truth "
+        "(counted as gear/teacher_prompts_truncated). None: no limit.",
+        Check(ge=1, also=(None,)),
     )
 
     # Signals
-    kl_estimator: str = field(
-        default="full", metadata={"help": "KL estimator: 'full' (exact), 'topk', 'k1' or 'k3'."}
+    kl_estimator: str = _checked(
+        "full", "KL estimator: 'full' (exact), 'topk', 'k1' or 'k3'.", Check(choices=ESTIMATORS)
     )
-    kl_topk: int = field(default=64, metadata={"help": "k of the 'topk' KL estimator."})
+    kl_topk: int = _checked(64, "k of the 'topk' KL estimator.", Check(ge=1))
     student_hidden_from_generation: bool = field(
         default=True,
         metadata={
@@ -132,64 +172,35 @@ class GEARConfig(GRPOConfig):
             "of the cost. Models whose cache cannot be shared run the plain forward (one warning)."
         },
     )
-    signal_chunk_size: int = field(
-        default=DEFAULT_CHUNK,
-        metadata={
-            "help": "Tokens per chunk when forming logits for the signals and the self-distill loss."
-        },
+    signal_chunk_size: int = _checked(
+        DEFAULT_CHUNK,
+        "Tokens per chunk when forming logits for the signals and the self-distill loss.",
+        Check(ge=1),
     )
 
     # Logging
-    credit_log_steps: int = field(
-        default=50,
-        metadata={
-            "help": "Write a credit record (output_dir/credit/step_XXXXXX.jsonl) every this many "
-            "steps; 0: never."
-        },
+    credit_log_steps: int = _checked(
+        50,
+        "Write a credit record (output_dir/credit/step_XXXXXX.jsonl) every this many "
+        "steps; 0: never.",
+        Check(ge=0),
     )
-    credit_log_rows: int = field(default=4, metadata={"help": "Rows per credit record."})
+    credit_log_rows: int = _checked(4, "Rows per credit record.", Check(ge=0))
 
     # Loss
-    loss_mode: str = field(
-        default="rl",
-        metadata={
-            "help": "'rl': TRL's loss (any loss_type) with GEAR's token advantages; 'self_distill': "
-            "per-token reverse KL(student || detached teacher), no reward (OPSD baseline)."
-        },
+    loss_mode: str = _checked(
+        "rl",
+        "'rl': TRL's loss (any loss_type) with GEAR's token advantages; 'self_distill': "
+        "per-token reverse KL(student || detached teacher), no reward (OPSD baseline).",
+        Check(choices=LOSS_MODES),
     )
 
     def __post_init__(self) -> None:
+        # values first: TRL's own __post_init__ divides by num_generations, and checks no bounds
+        for name, check in config_checks().items():
+            check_field("GEARConfig", name, getattr(self, name), check)
         super().__post_init__()
         self.credit_params  # noqa: B018  (validates every credit_* field)
-
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(
-                f"GEARConfig.{name}: expected {expected}, got {getattr(self, name)!r}"
-            )
-
-        if self.teacher not in TEACHERS:
-            raise bad("teacher", f"one of {list(TEACHERS)}")
-        if not 0 <= self.ema_decay < 1:
-            raise bad("ema_decay", "a number in [0, 1)")
-        if self.loss_mode not in LOSS_MODES:
-            raise bad("loss_mode", f"one of {list(LOSS_MODES)}")
-        if self.hint_kind not in HINT_KINDS:
-            raise bad("hint_kind", f"one of {list(HINT_KINDS)}")
-        if self.text_hint_position not in TEXT_HINT_POSITIONS:
-            raise bad("text_hint_position", f"one of {list(TEXT_HINT_POSITIONS)}")
-        for name in ("math_hint_template", "tool_hint_template"):
-            if "{ground_truth}" not in getattr(self, name):
-                raise bad(name, "a template with a '{ground_truth}' placeholder")
-        if self.kl_estimator not in ESTIMATORS:
-            raise bad("kl_estimator", f"one of {list(ESTIMATORS)}")
-        if self.teacher_max_prompt_length is not None and self.teacher_max_prompt_length < 1:
-            raise bad("teacher_max_prompt_length", "None or an integer >= 1")
-        for name in ("kl_topk", "signal_chunk_size"):
-            if getattr(self, name) < 1:
-                raise bad(name, "an integer >= 1")
-        for name in ("credit_log_steps", "credit_log_rows"):
-            if getattr(self, name) < 0:
-                raise bad(name, "an integer >= 0")
 
     @property
     def credit_params(self) -> CreditParams:
@@ -197,4 +208,11 @@ class GEARConfig(GRPOConfig):
         return CreditParams(**{name: getattr(self, f"credit_{name}") for name in _CREDIT_FIELDS})
 
 
-__all__ = ["HINT_KINDS", "LOSS_MODES", "TEACHERS", "GEARConfig"]
+def config_checks() -> dict[str, Check]:
+    """The value constraint of every checked `GEARConfig` field: TRL's fields from
+    `TRL_FIELD_CHECKS`, gear's from their field metadata (`credit_*` fields are checked by
+    `CreditParams`)."""
+    return {**TRL_FIELD_CHECKS, **field_checks(GEARConfig)}
+
+
+__all__ = ["HINT_KINDS", "LOSS_MODES", "TEACHERS", "GEARConfig", "config_checks"]
