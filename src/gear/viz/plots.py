@@ -110,20 +110,26 @@ def plot_metrics(metrics_jsonl_path: str | Path, out_dir: str | Path) -> list[Pa
     """One PNG per metric of a `metrics.jsonl` (one JSON object per line with a `step` key).
 
     Draws `reward`, `eval/accuracy`, `entropy` and every `gear/*` key that occurs, against
-    `step`; a line lacking a key (e.g. eval every k steps) is skipped for that key. Files are
-    named after the key with '/' -> '_' (e.g. `gear_kl_mean.png`). Returns the written paths.
+    `step`; a line lacking a key (e.g. eval every k steps) is skipped for that key. A step
+    written twice has its last value drawn; a line that is not complete JSON (a write cut short)
+    is skipped. Files are named after the key with '/' -> '_' (e.g. `gear_kl_mean.png`).
+    Returns the written paths.
     """
-    series: dict[str, list[tuple[float, float]]] = {}
+    by_key: dict[str, dict[float, float]] = {}
     for line in Path(metrics_jsonl_path).read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
-        row = json.loads(line)
-        step = row.get("step")
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
         if not isinstance(step, int | float):
             continue
         for k, v in row.items():
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                series.setdefault(k, []).append((float(step), float(v)))
+                by_key.setdefault(k, {})[float(step)] = float(v)  # the last record wins
+    series = {k: list(points.items()) for k, points in by_key.items()}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
