@@ -81,10 +81,10 @@ def test_train_writes_a_complete_run_directory(run_dir):
     assert list((run_dir / "credit").glob("step_*.jsonl"))
 
 
-def test_config_yaml_records_the_precision_chosen_for_this_machine(run_dir):
+def test_config_yaml_keeps_bf16_auto_and_records_the_precision_chosen_for_this_machine(run_dir):
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     native, _ = native_cpu_bf16()
-    assert saved["trainer"]["bf16"] is native  # "auto" resolved to what the run used
+    assert saved["trainer"]["bf16"] == "auto"  # the request, resolved again where it resumes
     assert saved["precision"]["asked"] == "auto" and saved["precision"]["bf16"] is native
     assert saved["precision"]["capability"] == cpu_capability()
     assert saved["precision"]["reason"]
@@ -124,12 +124,111 @@ def test_set_values_are_converted_only_where_lossless_and_stay_plain_yaml():
     assert yaml.safe_load(text)["trainer"]["lr_scheduler_type"] == "cosine"
 
 
-def test_resume_continues_from_the_last_checkpoint(run_dir):
-    result = runner.invoke(app, ["train", "--resume", str(run_dir), "--set", "max_steps=3"])
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--method", "grpo"], ["--method grpo", "credit_method: 'gear'"]),
+        (["--model", "smollm2"], ["--model smollm2"]),
+        (["--seed", "1"], ["--seed 1", "seed: 0"]),
+        (["--task", "gsm8k"], ["--task gsm8k"]),
+        (["--output-dir", "elsewhere"], ["--output-dir elsewhere"]),
+        (["--set", "learning_rate=1e-3"], ["--set learning_rate=0.001"]),
+        (["--set", "eval_n=8", "--seed", "2"], ["--set eval_n=8", "--seed 2"]),
+        (["--steps", "1"], ["max_steps 1", "checkpoint-2"]),  # before the checkpoint's step
+        (["default"], ["CONFIG argument (default)"]),
+    ],
+    ids=["method", "model", "seed", "task", "output-dir", "set", "two", "steps-back", "config"],
+)
+def test_resume_refuses_options_that_would_change_the_run_and_names_them(run_dir, args, names):
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), *args])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    for name in names:
+        assert name in output, output
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before  # nothing written
+
+
+def test_resume_accepts_the_runs_own_values_and_the_changes_it_allows(run_dir, tiny_dir):
+    same = ["--model", str(tiny_dir), "--seed", "0", "--method", "gear", "--set", "beta=0.0"]
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), *same, "--dry-run"])
     assert result.exit_code == 0, result.output
+    allowed = ["--steps", "9", "--set", "save_steps=3", "--set", "bf16=false", "--dry-run"]
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), *allowed])
+    assert result.exit_code == 0, result.output
+    for line in ("max_steps: 9", "save_steps: 3", "bf16: false"):
+        assert f"\n  {line}\n" in result.output
+
+
+def test_resume_continues_from_the_last_checkpoint_and_resolves_bf16_auto_again(
+    run_dir, monkeypatch
+):
+    """The run was trained with bf16 on this machine's choice; resumed on an AVX2-only CPU
+    (simulated), `bf16: auto` picks float32 there instead of forcing emulated bf16."""
+    from gear import precision as P
+
+    monkeypatch.setattr(P, "cpu_flags", lambda *a: {"fpu", "sse4_2", "avx", "avx2", "fma"})
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert "precision: float32 (bf16: auto -> float32" in result.output
     assert (run_dir / "checkpoint-3").is_dir()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "gear/kl_mean" in m] == [1, 2, 3]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["bf16"] == "auto" and saved["trainer"]["max_steps"] == 3
+    assert saved["precision"]["bf16"] is False
+
+
+def test_resume_uses_exactly_the_saved_config_of_a_run_started_from_a_yaml(tiny_dir, tmp_path):
+    """Keys the user's YAML left out keep GEARConfig's defaults on resume: nothing of gear's
+    `default` recipe is merged in (it would set learning_rate 1e-5, max_completion_length 48)."""
+    from gear.run import read_run_config, resolve_config, resume_config
+
+    user = tmp_path / "mine.yaml"
+    user.write_text(
+        yaml.safe_dump({
+            "model": str(tiny_dir), "eval_n": 0,
+            "trainer": {"max_steps": 1, "max_completion_length": 8, "num_generations": 2,
+                        "per_device_train_batch_size": 2, "save_steps": 1},
+        })
+    )  # fmt: skip
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(user), "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    first = (out / "config.yaml").read_text()
+    assert "learning_rate" not in first and "max_completion_length: 8" in first
+    cfg = resume_config(out)
+    assert cfg == dataclasses.replace(resolve_config(str(user)), output_dir=str(out))
+    result = runner.invoke(app, ["train", "--resume", str(out), "--steps", "2"])
+    assert result.exit_code == 0, result.output
+    second = (out / "config.yaml").read_text()
+    assert second == first.replace("max_steps: 1", "max_steps: 2")  # only what was asked
+    assert read_run_config(out)["trainer"] == {
+        **yaml.safe_load(user.read_text())["trainer"],
+        "max_steps": 2,
+    }
+
+
+def test_a_config_yaml_of_an_older_gear_with_bf16_resolved_resumes_as_auto(tmp_path):
+    from gear.run import read_run_config
+
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({"model": "smollm2", "trainer": {"bf16": True, "max_steps": 3},
+                        "precision": {"bf16": True, "asked": "auto"}})
+    )  # fmt: skip
+    assert read_run_config(tmp_path)["trainer"] == {"bf16": "auto", "max_steps": 3}
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({"trainer": {"bf16": True}, "precision": {"asked": "true"}})
+    )
+    assert read_run_config(tmp_path)["trainer"] == {"bf16": True}  # forced: stays forced
+
+
+def test_a_new_run_refuses_a_directory_that_holds_a_run(run_dir, tiny_dir):
+    result = runner.invoke(
+        app, ["train", "--model", str(tiny_dir), "--output-dir", str(run_dir), *TINY]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"gear train --resume {run_dir}" in " ".join(result.output.split())
 
 
 def test_eval_and_inspect_work_on_the_run_directory(run_dir):
@@ -206,6 +305,22 @@ def test_compare_trains_every_method_and_seed_and_writes_a_table(tiny_dir, tmp_p
             ["train", "--set", "use_cpu=1"],
             "'use_cpu' (GEARConfig field): got 1 (int), expected bool",
         ),
+        (
+            ["train", "--set", "learning_rate=-1"],
+            "config key 'learning_rate' (GEARConfig field): got -1, expected a value >= 0",
+        ),
+        (["train", "--set", "max_steps=-5"], "'max_steps' (GEARConfig field): got -5, expected"),
+        (["train", "--steps", "0"], "'max_steps' (GEARConfig field): got 0, expected a value >= 1"),
+        (["train", "--set", "per_device_train_batch_size=0"], "'per_device_train_batch_size'"),
+        (["train", "--set", "beta=-1"], "'beta' (GEARConfig field): got -1, expected a value >= 0"),
+        (["train", "--set", "temperature=0"], "'temperature' (GEARConfig field): got 0,"),
+        (["train", "--set", "temperature=-1"], "expected a value > 0"),
+        (["train", "--set", "max_completion_length=0"], "'max_completion_length'"),
+        (["train", "--set", "eval_n=-3"], "'eval_n' (RunConfig field): got -3, expected a value"),
+        (["train", "--set", "loss_type=nope"], "got 'nope', expected one of 'grpo'"),
+        (["train", "--set", "num_generations=0"], "'num_generations' (GEARConfig field): got 0"),
+        (["train", "--set", "ema_decay=2"], "'ema_decay' (GEARConfig field): got 2"),
+        (["train", "--set", "top_p=1.5"], "expected a value in (0, 1]"),
         (["train", "--task", "poetry"], "unknown task 'poetry'"),
         (["train", "--method", "magic"], "CreditParams.method"),
         (["train", "no_such_config"], "config 'no_such_config'"),

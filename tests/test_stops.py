@@ -86,6 +86,29 @@ def trained_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines if "gear/kl_mean" in line]
 
 
+def eval_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if "eval/accuracy" in line]
+
+
+def credit_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (run_dir / "credit").glob("step_*.jsonl"))
+
+
+def without_eval_before(run_dir: Path) -> Path:
+    """A run directory whose summary.json already holds the before-training evaluation (as
+    `gear compare` shares it between runs), so the run starts training at once."""
+    run_dir.mkdir(parents=True)
+    before = {"pass@1": 0.0, "n_problems": 1}
+    (run_dir / "summary.json").write_text(json.dumps({"eval_before": before}))
+    return run_dir
+
+
+# a held-out evaluation of a few seconds on the tiny model (one problem per batch), long enough
+# for a signal to arrive while it runs
+SLOW_EVAL = {"eval_n": 64, "eval_batch_size": 1, "eval_max_new_tokens": 16}
+
+
 def assert_complete(checkpoint: Path) -> None:
     missing = CHECKPOINT_FILES - {p.name for p in checkpoint.iterdir()}
     assert not missing, f"{checkpoint} is missing {sorted(missing)}"
@@ -142,6 +165,143 @@ def test_kill_9_during_a_save_leaves_only_complete_checkpoints_and_resume_uses_t
     assert f"resuming from {last}" in resumed.output
     assert (run_dir / f"checkpoint-{step + 1}").is_dir()
     assert not staging.exists()  # the killed save's leftovers are gone
+    assert trained_steps(run_dir) == list(range(1, step + 2))  # the step trained again: once
+
+
+def test_kill_9_after_a_logged_step_then_resume_logs_every_step_once(tiny_dir, tmp_path):
+    """Killed after step 3 was logged but before it was saved (checkpoints every 2 steps):
+    `--resume` starts again at step 3, and metrics.jsonl and the credit records hold each step
+    once (an older gear appended the steps it trained again: [1, 2, 3, 3, 4])."""
+    run_dir = tmp_path / "run"
+    run = GearTrain(
+        "--model", str(tiny_dir), "--steps", "40", "--output-dir", str(run_dir),
+        *tiny_run_args(eval_n=0, save_steps=2),
+    )  # fmt: skip
+    run.wait_for("step 3/40")
+    run.proc.kill()
+    run.finish()
+    assert last_checkpoint(run_dir).name == "checkpoint-2", run.output
+    assert trained_steps(run_dir)[:3] == [1, 2, 3] and 2 in credit_steps(run_dir)
+    config = (run_dir / "config.yaml").read_text()
+    resumed = GearTrain("--resume", str(run_dir), "--steps", "4")
+    assert resumed.finish() == 0, resumed.output
+    assert trained_steps(run_dir) == [1, 2, 3, 4]
+    assert credit_steps(run_dir) == [0, 1, 2, 3]  # named after the steps done before
+    assert (run_dir / "config.yaml").read_text() == config.replace("max_steps: 40", "max_steps: 4")
+
+
+def test_sigterm_during_a_periodic_evaluation_saves_the_step_it_follows(tiny_dir, tmp_path):
+    """The evaluation after step 1 is ended by the signal and step 1 is saved, without training
+    step 2 first; `--resume` then runs the rest with the same config, each step once."""
+    run_dir = without_eval_before(tmp_path / "run")
+    run = GearTrain(
+        "--model", str(tiny_dir), "--steps", "3", "--output-dir", str(run_dir),
+        *tiny_run_args(eval_every=1, save_steps=1000, **SLOW_EVAL),
+    )  # fmt: skip
+    run.wait_for("evaluating at step 1")
+    run.proc.send_signal(signal.SIGTERM)
+    rc = run.finish()
+    assert rc == 128 + signal.SIGTERM, run.output
+    assert "stopping the evaluation" in run.output
+    assert last_checkpoint(run_dir).name == "checkpoint-1", run.output
+    assert trained_steps(run_dir) == [1] and eval_steps(run_dir) == []
+    config = (run_dir / "config.yaml").read_text()
+    resumed = GearTrain("--resume", str(run_dir))
+    assert resumed.finish() == 0, resumed.output
+    assert trained_steps(run_dir) == [1, 2, 3] and eval_steps(run_dir) == [2]
+    assert (run_dir / "config.yaml").read_text() == config  # the same config, as written
+    assert (run_dir / "final").is_dir()
+
+
+def test_sigterm_during_the_final_evaluation_then_resume_trains_no_further(tiny_dir, tmp_path):
+    """Stopped in the evaluation after the last step: `--resume` evaluates and saves the final
+    model, and trains no step past max_steps (HF's Trainer, resumed at max_steps, trains one)."""
+    run_dir = without_eval_before(tmp_path / "run")
+    run = GearTrain(
+        "--model", str(tiny_dir), "--steps", "1", "--output-dir", str(run_dir),
+        *tiny_run_args(save_steps=1000, **SLOW_EVAL),
+    )  # fmt: skip
+    run.wait_for("evaluating after training")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 128 + signal.SIGTERM, run.output
+    assert not (run_dir / "final").exists()
+    config = (run_dir / "config.yaml").read_text()
+    resumed = GearTrain("--resume", str(run_dir))
+    assert resumed.finish() == 0, resumed.output
+    assert trained_steps(run_dir) == [1]
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert "step 2/" not in resumed.output
+    assert "training already done: checkpoint-1" in resumed.output
+    assert (run_dir / "final").is_dir() and (run_dir / "config.yaml").read_text() == config
+    assert json.loads((run_dir / "summary.json").read_text())["eval_after"]["step"] == 1
+
+
+NOISE = (
+    "Failed to load CPU gemm_4bit_forward",  # bitsandbytes, imported by peft and TRL
+    "Setting accelerator to CPU",  # DeepSpeed, imported by accelerate
+)
+
+
+def test_a_run_prints_nothing_from_libraries_it_does_not_use(tiny_dir, tmp_path):
+    """`gear train` neither imports PEFT, bitsandbytes and DeepSpeed (installed here, unused by
+    the run) nor prints their warnings."""
+    program = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('imported:', sorted(m for m in ('peft', 'bitsandbytes',"
+        " 'deepspeed') if sys.modules.get(m))))\n"
+        "from gear.cli import app\n"
+        "app()\n"
+    )
+    args = ["train", "--model", str(tiny_dir), "--steps", "1", "--output-dir", str(tmp_path / "r")]
+    args += tiny_run_args(eval_n=0, save_steps=1000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", program, *args], capture_output=True, text=True, env=env,
+        timeout=240,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "imported: []" in output
+    for noise in NOISE:
+        assert noise not in output
+    assert "deepspeed" in hide_unused_packages_in_a_subprocess(["train", "--set", "deepspeed=x"])
+
+
+def hide_unused_packages_in_a_subprocess(argv: list[str]) -> str:
+    """What `hide_unused_packages(argv)` leaves importable (a fresh process: a test process has
+    imported them all already)."""
+    program = (
+        "import sys; from gear.cli import hide_unused_packages\n"
+        f"hidden = hide_unused_packages({argv!r})\n"
+        "print(sorted(set(('peft', 'bitsandbytes', 'deepspeed')) - set(hidden)))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+
+def test_metrics_readers_take_each_step_once_the_last_record_winning(tmp_path):
+    """A metrics.jsonl written by an older gear after kill -9 and --resume: steps 4 and 5 twice,
+    and a line cut short. `read_metrics`, `gear compare` and the plots see each step once."""
+    from gear.run_callbacks import read_metrics, truncate_run_logs
+    from gear.viz.plots import plot_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "reward": float(s)} for s in (1, 2, 3, 4, 5)]
+    rows += [{"step": s, "reward": 10.0 * s} for s in (4, 5, 6, 7)]
+    rows.insert(3, {"step": 3, "eval/accuracy": 0.5})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 8, "rew')
+    merged = read_metrics(metrics)
+    assert [m["step"] for m in merged] == [1, 2, 3, 4, 5, 6, 7]
+    assert [m["reward"] for m in merged] == [1.0, 2.0, 3.0, 40.0, 50.0, 60.0, 70.0]
+    assert merged[2] == {"step": 3, "reward": 3.0, "eval/accuracy": 0.5}
+    plot_metrics(metrics, tmp_path / "plots")  # no zigzag: one point per step (and no error)
+    (tmp_path / "credit").mkdir()
+    for step in (1, 3, 5):
+        (tmp_path / "credit" / f"step_{step:06d}.jsonl").write_text("{}\n")
+    truncate_run_logs(tmp_path, 3)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 3]
+    assert credit_steps(tmp_path) == [1]  # step_000003: rollouts of step 4, after the checkpoint
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_dir, tmp_path):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +24,68 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(
+# Optional packages that transformers, accelerate and TRL import merely because they are
+# installed, for features `gear train` and `gear compare` do not have: PEFT (transformers
+# imports it to recognise adapter models; it imports bitsandbytes), bitsandbytes (TRL's vLLM
+# module; on an AVX512-BF16 CPU its import warns "Failed to load CPU gemm_4bit_forward from
+# kernels-community") and DeepSpeed (accelerate imports it to unwrap models; its accelerator
+# probe warns "Setting accelerator to CPU"). Those commands run without them: seconds of
+# imports and two warnings about features the run does not use spared. DeepSpeed stays
+# importable when a run may use it (the word in the command line or its config files, or
+# `accelerate launch --use_deepspeed`).
+UNUSED_PACKAGES = ("peft", "bitsandbytes", "deepspeed")
+TRAINING_COMMANDS = ("train", "compare")
+
+
+def _mentions(argv: list[str], word: str) -> bool:
+    """Whether `word` occurs in the arguments, or in a file or run directory's config.yaml
+    they name (a config recipe, `--resume RUN_DIR`)."""
+    for arg in argv:
+        if word in arg:
+            return True
+        path = Path(arg)
+        for candidate in (path, path / "config.yaml"):
+            try:
+                if candidate.is_file() and word in candidate.read_text(errors="replace"):
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def hide_unused_packages(argv: list[str]) -> list[str]:
+    """Make `UNUSED_PACKAGES` unavailable to this process (`sys.modules[name] = None`: the
+    availability checks of transformers, accelerate, TRL and PEFT then find nothing, an import
+    raises ImportError) when the command is a training one; returns the names hidden. Only for
+    the `gear` program itself, before anything imports transformers: a package already imported
+    is left alone."""
+    if not argv or argv[0] not in TRAINING_COMMANDS:
+        return []
+    hidden = []
+    for name in UNUSED_PACKAGES:
+        if name in sys.modules:
+            continue
+        if name == "deepspeed" and (
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+            or _mentions(argv[1:], "deepspeed")
+        ):
+            continue
+        sys.modules[name] = None  # type: ignore[assignment]
+        hidden.append(name)
+    return hidden
+
+
+class _Gear(typer.Typer):
+    """The `gear` program: its entry point (the console script, `python -m gear.cli`) first
+    hides the optional packages a training command does not use. `typer.testing.CliRunner`
+    does not come through here, so a test process keeps every package it has."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hide_unused_packages(sys.argv[1:])
+        return super().__call__(*args, **kwargs)
+
+
+app = _Gear(
     add_completion=False,
     no_args_is_help=True,
     help=__doc__,
@@ -58,6 +121,9 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+NAMED_KEYS = {"method": "credit_method", "steps": "max_steps"}  # option -> config key
+
+
 def _overrides(pairs: list[str] | None, **named: Any) -> dict[str, Any]:
     from gear.run import parse_value
 
@@ -67,11 +133,17 @@ def _overrides(pairs: list[str] | None, **named: Any) -> dict[str, Any]:
             _fail(f"--set {pair!r}: expected KEY=VALUE")
         key, value = pair.split("=", 1)
         out[key.strip()] = parse_value(value)
-    trainer_names = {"method": "credit_method", "steps": "max_steps"}
     for key, value in named.items():
         if value is not None:
-            out[trainer_names.get(key, key)] = value
+            out[NAMED_KEYS.get(key, key)] = value
     return out
+
+
+def _labels(**named: Any) -> dict[str, str]:
+    """Config key -> the option that set it (`{"credit_method": "--method"}`), for messages."""
+    return {
+        NAMED_KEYS.get(k, k): "--" + k.replace("_", "-") for k, v in named.items() if v is not None
+    }
 
 
 @app.command()
@@ -107,29 +179,28 @@ def train(
 ) -> None:
     """Train with GEAR (or any credit method) and write a run directory.
 
-    SIGTERM or Ctrl-C saves a checkpoint after the current step; `--resume` continues from it.
+    SIGTERM or Ctrl-C saves a checkpoint after the current step; `--resume` continues from it
+    with the run's saved config.yaml. A resumed run may change only how far it trains (`--steps`)
+    and how it runs here (`--set bf16=...`, `save_steps`, `save_total_limit`, `eval_batch_size`,
+    `credit_log_steps`, `credit_log_rows`); an option that would change anything else is an
+    error, never ignored.
     """
-    from gear.run import RunStopped, read_run_config, resolve_config
+    from gear.run import RunStopped, resolve_config, resume_config
     from gear.run import train as run_train
 
+    named = dict(
+        model=model, task=task, method=method, steps=steps, seed=seed, output_dir=output_dir
+    )
     try:
         if resume is not None:
-            values = read_run_config(resume)
-            values.update(_overrides(set_))
-            cfg = resolve_config(config, values)
+            if config is not None:
+                raise ValueError(
+                    f"--resume {resume} continues the run with its saved config.yaml; a CONFIG "
+                    f"argument ({config}) would change it. Drop it, or start a new run with it"
+                )
+            cfg = resume_config(resume, _overrides(set_, **named), labels=_labels(**named))
         else:
-            cfg = resolve_config(
-                config,
-                _overrides(
-                    set_,
-                    model=model,
-                    task=task,
-                    method=method,
-                    steps=steps,
-                    seed=seed,
-                    output_dir=output_dir,
-                ),
-            )
+            cfg = resolve_config(config, _overrides(set_, **named))
         if dry_run:
             _dry_run(cfg)
             return
@@ -302,7 +373,7 @@ def compare(
     set_: SetOpt = None,
 ) -> None:
     """Train methods x seeds with the same data and budget; table + learning curves."""
-    from gear.run import RunStopped, resolve_config
+    from gear.run import RunStopped, resolve_config, resume_config
     from gear.run import train as run_train
 
     out.mkdir(parents=True, exist_ok=True)
@@ -318,11 +389,12 @@ def compare(
             console.rule(f"{method} seed {seed}")
             _share_eval_before(out, run_dir, seed)
             try:
-                cfg = resolve_config(
-                    config,
-                    {**base, "credit_method": method, "seed": seed, "output_dir": str(run_dir)},
-                )
-                cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
+                values = {**base, "credit_method": method, "seed": seed}
+                if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
+                    cfg = resume_config(run_dir, values, labels=_labels(steps=steps))
+                else:
+                    cfg = resolve_config(config, {**values, "output_dir": str(run_dir)})
+                    cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
                 run_train(cfg, run_dir=run_dir, resume=run_dir.is_dir(), console=console)
             except RunStopped as e:
                 console.print(
@@ -351,6 +423,7 @@ def _share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
 
 def write_comparison(out: Path, methods: list[str], seeds: list[int]) -> dict[str, Any]:
     """compare.json / compare.md (mean ± std) and learning-curve PNGs from the runs in `out`."""
+    from gear.run_callbacks import read_metrics
     from gear.viz.plots import plot_learning_curves
 
     rows, acc_curves, reward_curves = [], {}, {}
@@ -366,7 +439,7 @@ def write_comparison(out: Path, methods: list[str], seeds: list[int]) -> dict[st
                 finals.append(s["eval_after"]["pass@1"])
             if s.get("eval_before"):
                 befores.append(s["eval_before"]["pass@1"])
-            metrics = _read_metrics(run_dir / "metrics.jsonl")
+            metrics = read_metrics(run_dir / "metrics.jsonl")
             acc = [
                 (m["step"], m["eval/accuracy"])
                 for m in metrics
@@ -441,12 +514,6 @@ def _mean_std(values: list[float]) -> str:
         return "-"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 A run directory holds everything about one run::
 
-    RUN_DIR/config.yaml        the resolved configuration (what was actually run), with the
-                               precision chosen for this machine under `precision:`
-    RUN_DIR/metrics.jsonl      one JSON object per logging step (TRL's logs + eval/accuracy)
+    RUN_DIR/config.yaml        the resolved configuration (what was actually run; `bf16` as
+                               asked, e.g. `auto`), with the precision chosen on this machine
+                               under `precision:`
+    RUN_DIR/metrics.jsonl      one JSON object per logging step (TRL's logs + eval/accuracy);
+                               each step once, also across stops and resumes
     RUN_DIR/checkpoint-*/      TRL checkpoints (resume with `gear train --resume RUN_DIR`); each
                                appears complete or not at all (written aside, then renamed)
     RUN_DIR/credit/            per-token credit records (gear.viz.record)
@@ -14,18 +16,23 @@ A run directory holds everything about one run::
 Configuration is a flat mapping: `RunConfig` fields plus any `GEARConfig` field (TRL's
 `GRPOConfig` fields and gear's `credit_*`, `teacher`, ... fields). The recipes shipped in the
 package (`gear/configs/*.yaml`: `default`, `study`) give whole setups; command-line
-`--set key=value` overrides one key. Every value is checked against its field's type before
-anything is loaded or written.
+`--set key=value` overrides one key. Every value is checked against its field's type and its
+declared constraint (`gear.constraints`) before anything is loaded or written.
 
 Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during training finish
-the current step, save a checkpoint and end the run with `RunStopped`; a second signal stops at
-once. `gear train --resume RUN_DIR` continues from the last complete checkpoint.
+the current step (or end a periodic evaluation), save a checkpoint and end the run with
+`RunStopped`; a second signal stops at once. `gear train --resume RUN_DIR` continues from the
+last complete checkpoint with exactly the saved config.yaml (`resume_config`: only the
+`RESUME_MAY_CHANGE` keys may differ, any other option is an error), forgets what was logged
+after that checkpoint, and trains no step past `max_steps` (a run stopped in its final
+evaluation only evaluates and saves).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import signal
@@ -41,37 +48,35 @@ from typing import Any
 
 import yaml
 
+from gear.constraints import Check, field_checks
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: ships in the wheel
 PRECISION_KEY = "precision"  # config.yaml's record of the precision chosen (not a config key)
 
 
+def _field(default: Any = dataclasses.MISSING, help: str = "", check: Any = None, **kw: Any) -> Any:
+    metadata = {"help": help} | ({"check": check} if check is not None else {})
+    return field(default=default, metadata=metadata, **kw)
+
+
 @dataclass
 class RunConfig:
-    """What `gear train` runs, beyond the trainer's own fields (`trainer`)."""
+    """What `gear train` runs, beyond the trainer's own fields (`trainer`). A field's `check`
+    (gear.constraints) says which values it takes beyond its type."""
 
-    model: str = field(
-        default="smollm2", metadata={"help": "'smollm2' (embedded) or a HF id/path."}
-    )
-    task: str = field(default="arithmetic", metadata={"help": "arithmetic | gsm8k | bfcl | tools"})
+    model: str = _field("smollm2", "'smollm2' (embedded) or a HF id/path.")
+    task: str = _field("arithmetic", "arithmetic | gsm8k | bfcl | tools")
     task_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Task options."})
-    train_size: int | None = field(
-        default=None, metadata={"help": "Training prompts (None: task default)."}
+    train_size: int | None = _field(
+        None, "Training prompts (None: task default).", Check(ge=1, also=(None,))
     )
-    output_dir: str | None = field(
-        default=None, metadata={"help": "Run directory (default runs/<name>)."}
-    )
-    seed: int = field(default=0, metadata={"help": "Seed of data order, sampling and init."})
-    eval_n: int = field(
-        default=100, metadata={"help": "Held-out problems per evaluation (0: none)."}
-    )
-    eval_every: int = field(
-        default=0, metadata={"help": "Evaluate every K steps (0: only before/after)."}
-    )
-    eval_max_new_tokens: int = field(
-        default=64, metadata={"help": "Generation budget of evaluation."}
-    )
-    eval_temperature: float = field(default=0.0, metadata={"help": "0 = greedy pass@1."})
-    eval_batch_size: int = field(default=32, metadata={"help": "Prompts per evaluation batch."})
+    output_dir: str | None = _field(None, "Run directory (default runs/<name>).")
+    seed: int = _field(0, "Seed of data order, sampling and init.", Check(ge=0))
+    eval_n: int = _field(100, "Held-out problems per evaluation (0: none).", Check(ge=0))
+    eval_every: int = _field(0, "Evaluate every K steps (0: only before/after).", Check(ge=0))
+    eval_max_new_tokens: int = _field(64, "Generation budget of evaluation.", Check(ge=1))
+    eval_temperature: float = _field(0.0, "0 = greedy pass@1.", Check(ge=0))
+    eval_batch_size: int = _field(32, "Prompts per evaluation batch.", Check(ge=1))
     trainer: dict[str, Any] = field(default_factory=dict, metadata={"help": "GEARConfig fields."})
 
 
@@ -234,57 +239,184 @@ def trainer_field_types() -> dict[str, Any]:
     return types_
 
 
+@functools.cache
+def _key_specs() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(RunConfig types, RunConfig checks, GEARConfig types, GEARConfig checks) of every key."""
+    from gear.integrations.trl.config import config_checks
+
+    run_types = _field_types(RunConfig)
+    run_types.pop("trainer")
+    return run_types, field_checks(RunConfig), trainer_field_types(), config_checks()
+
+
+def check_key(key: str, value: Any) -> tuple[str, Any]:
+    """("run" or "trainer", `value` checked) for config key `key`: its type (`check_value`)
+    and its declared constraint (gear.constraints); a ValueError naming the key, the value and
+    what was expected otherwise, or the valid keys for an unknown one."""
+    run_types, run_checks, trainer_types, trainer_checks = _key_specs()
+    if key in run_types:
+        owner, where, hint, check = "RunConfig", "run", run_types[key], run_checks.get(key)
+    elif key in trainer_types:
+        owner, where, hint = "GEARConfig", "trainer", trainer_types[key]
+        check = trainer_checks.get(key)
+    else:
+        close = difflib.get_close_matches(key, [*run_types, *trainer_types], n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(
+            f"unknown config key {key!r}{hint}; valid keys are RunConfig fields "
+            f"{sorted(run_types)} or GEARConfig fields (TRL's GRPOConfig plus gear's "
+            f"credit_*, teacher, ...; `python -c 'from gear.integrations.trl import "
+            f"GEARConfig; help(GEARConfig)'`)"
+        )
+    value = check_value(owner, key, value, hint)
+    if check is not None and not check.ok(value):
+        raise ValueError(
+            f"config key {key!r} ({owner} field): got {value!r}, expected {check.describe()}"
+        )
+    return where, value
+
+
+def load_mapping(path: Path) -> dict[str, Any]:
+    """A YAML config file's mapping of keys to values."""
+    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"{path}: expected a mapping of keys to values, got {type(loaded).__name__}"
+        )
+    return loaded
+
+
 def resolve_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Merge the `default` recipe (or `config`) with `overrides` into a checked `RunConfig`.
 
     Keys are `RunConfig` fields or `GEARConfig` fields; an unknown key, or a value that is not
-    of its field's type, is a ValueError naming the key, the value and what was expected.
+    of its field's type or outside its declared range (`gear.constraints`), is a ValueError
+    naming the key, the value and what was expected.
     """
-    values: dict[str, Any] = {}
-    for source in (config_path(config or "default"),):
-        loaded = yaml.safe_load(source.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(
-                f"{source}: expected a mapping of keys to values, got {type(loaded).__name__}"
-            )
-        values.update(loaded)
-    values.update(overrides or {})
-    run_types = _field_types(RunConfig)
-    run_types.pop("trainer")
-    trainer_types = trainer_field_types()
-    run: dict[str, Any] = {}
-    trainer: dict[str, Any] = {}
+    return resolve_values(load_mapping(config_path(config or "default")), overrides)
+
+
+def resolve_values(values: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunConfig:
+    """`values` (a config mapping: RunConfig keys, GEARConfig keys flat or under `trainer`)
+    updated with `overrides`, checked, as a `RunConfig`; nothing else is merged in."""
+    values = {**values, **(overrides or {})}
     nested = values.pop("trainer", None) or {}
     if not isinstance(nested, dict):
         raise ValueError(
             f"config key 'trainer': got {nested!r}, expected a mapping of GEARConfig fields"
         )
+    run: dict[str, Any] = {}
+    trainer: dict[str, Any] = {}
     for key, value in [*nested.items(), *values.items()]:
-        if key in run_types:
-            run[key] = check_value("RunConfig", key, value, run_types[key])
-        elif key in trainer_types:
-            trainer[key] = check_value("GEARConfig", key, value, trainer_types[key])
-        else:
-            close = difflib.get_close_matches(key, [*run_types, *trainer_types], n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(
-                f"unknown config key {key!r}{hint}; valid keys are RunConfig fields "
-                f"{sorted(run_types)} or GEARConfig fields (TRL's GRPOConfig plus gear's "
-                f"credit_*, teacher, ...; `python -c 'from gear.integrations.trl import "
-                f"GEARConfig; help(GEARConfig)'`)"
-            )
+        where, checked = check_key(key, value)
+        (run if where == "run" else trainer)[key] = checked
     return RunConfig(**run, trainer=trainer)
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:
-    """The flat config mapping of an existing run directory's config.yaml (for --resume)."""
+    """The config mapping saved in RUN_DIR/config.yaml, as the run was asked to run: RunConfig
+    keys and `trainer`, without the `precision:` record. `bf16` is the setting asked for
+    ("auto" where an earlier gear stored the resolved bool), so it is resolved again for the
+    machine that resumes the run."""
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
         raise ValueError(f"--resume {run_dir}: no config.yaml there (not a gear run directory)")
-    values = yaml.safe_load(saved.read_text()) or {}
-    values.pop(PRECISION_KEY, None)
-    values.update(values.pop("trainer", None) or {})
+    values = load_mapping(saved)
+    precision = values.pop(PRECISION_KEY, None) or {}
+    trainer = dict(values.get("trainer") or {})
+    if isinstance(trainer.get("bf16"), bool) and precision.get("asked") == "auto":
+        trainer["bf16"] = "auto"
+    values["trainer"] = trainer
     return values
+
+
+# What `gear train --resume` may change: how far the run goes and how this machine runs and
+# records it, never what it trains (model, task, data, method, seed, optimiser, ...).
+RESUME_MAY_CHANGE = {
+    "max_steps": "train to another final step (--steps); not below the last checkpoint's step",
+    "bf16": "precision on this machine ('auto' is resolved again anyway)",
+    "save_steps": "checkpoint interval",
+    "save_total_limit": "checkpoints kept",
+    "eval_batch_size": "evaluation batch size (memory)",
+    "credit_log_steps": "credit record interval",
+    "credit_log_rows": "rows per credit record",
+}
+
+
+def _effective(cfg: RunConfig, key: str) -> Any:
+    """The value `key` has in the run `cfg` describes, set or by default."""
+    if key in _key_specs()[0]:
+        return getattr(cfg, key)
+    if key in cfg.trainer:
+        return cfg.trainer[key]
+    if key == "bf16":
+        return "auto"
+    if key == "use_cpu":
+        return _on_cpu(cfg)
+    if key in TRAINER_BASE:
+        return TRAINER_BASE[key]
+    from gear.integrations.trl import GEARConfig
+
+    f = {f.name: f for f in dataclasses.fields(GEARConfig)}[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def resume_config(
+    run_dir: Path, overrides: dict[str, Any] | None = None, labels: dict[str, str] | None = None
+) -> RunConfig:
+    """The config of a run to resume: exactly RUN_DIR/config.yaml (no recipe merged in), with
+    only the `RESUME_MAY_CHANGE` keys of `overrides` applied. An override that would change
+    anything else (a different value than the run's) is a ValueError naming each such option;
+    `labels` names options as the user gave them (`{"credit_method": "--method"}`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume: run directory {run_dir} does not exist")
+    saved = read_run_config(run_dir)
+    cfg = resolve_values(saved)
+    changes: dict[str, Any] = {}
+    refused: list[str] = []
+    for key, value in (overrides or {}).items():
+        flag = (labels or {}).get(key)
+        given = f"{flag} {value}" if flag else f"--set {key}={value}"
+        if key == "output_dir":
+            if value is not None and Path(value).resolve() != run_dir.resolve():
+                refused.append(f"{given} (the run's directory is {run_dir})")
+            continue
+        _, checked = check_key(key, value)
+        current = _effective(cfg, key)
+        if checked == current and isinstance(checked, bool) == isinstance(current, bool):
+            continue  # the run's own value (3 given for 3.0 included): nothing changes
+        if key in RESUME_MAY_CHANGE:
+            changes[key] = checked
+        else:
+            refused.append(f"{given} (the run has {key}: {current!r})")
+    if refused:
+        raise ValueError(
+            f"--resume {run_dir} continues the run exactly as its config.yaml says; "
+            f"{'this option' if len(refused) == 1 else 'these options'} would change it: "
+            f"{'; '.join(refused)}. Start a new run for that (without --resume); a resumed run "
+            f"may change only {', '.join(RESUME_MAY_CHANGE)} (--steps, --set KEY=VALUE)"
+        )
+    if changes:
+        trainer_keys = _key_specs()[2]
+        run_changes = {k: v for k, v in changes.items() if k not in trainer_keys}
+        trainer = {**saved["trainer"], **{k: v for k, v in changes.items() if k in trainer_keys}}
+        cfg = resolve_values({**saved, **run_changes, "trainer": trainer})
+    check_resume_steps(cfg.trainer.get("max_steps", -1), run_dir)
+    same_place = cfg.output_dir and Path(cfg.output_dir).resolve() == run_dir.resolve()
+    return dataclasses.replace(cfg, output_dir=cfg.output_dir if same_place else str(run_dir))
+
+
+def check_resume_steps(max_steps: int, run_dir: Path) -> None:
+    """A ValueError when `max_steps` ends a resumed run before its last checkpoint's step."""
+    from gear.run_callbacks import checkpoint_step, last_checkpoint
+
+    checkpoint = last_checkpoint(run_dir)
+    if checkpoint is not None and 0 < max_steps < checkpoint_step(checkpoint):
+        raise ValueError(
+            f"max_steps {max_steps}: the run's last checkpoint is {checkpoint.name}; a resumed "
+            f"run can end at step {checkpoint_step(checkpoint)} at the earliest"
+        )
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -308,6 +440,19 @@ def run_precision(cfg: RunConfig) -> Any:
     return choose_precision(cfg.trainer.get("bf16", "auto"), use_cpu=_on_cpu(cfg))
 
 
+# GEARConfig values of `gear train` where the config does not set them (besides output_dir, seed,
+# use_cpu and hint_kind, which come from the run)
+TRAINER_BASE: dict[str, Any] = dict(
+    activation_checkpointing=False,  # TRL's default is on: slower, and not needed on CPU
+    report_to="none",
+    logging_steps=1,
+    save_strategy="steps",
+    save_steps=10,
+    save_total_limit=2,
+    disable_tqdm=True,
+)
+
+
 def trainer_args(
     cfg: RunConfig, run_dir: Path, hint_kind: str = "auto", precision: Any = None
 ) -> Any:
@@ -319,15 +464,9 @@ def trainer_args(
     base: dict[str, Any] = dict(
         output_dir=str(run_dir),
         seed=cfg.seed,
-        activation_checkpointing=False,  # TRL's default is on: slower, and not needed on CPU
         use_cpu=_on_cpu(cfg),
-        report_to="none",
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=10,
-        save_total_limit=2,
-        disable_tqdm=True,
         hint_kind=hint_kind,
+        **TRAINER_BASE,
     )
     trainer = dict(cfg.trainer)
     if "gradient_checkpointing" in trainer:  # transformers' deprecated alias: one name, no warning
@@ -379,19 +518,29 @@ def stop_signals(run_dir: Path) -> Iterator[Any]:
     """SIGTERM / SIGINT handling for the duration of a run (main thread only).
 
     Yields a `gear.run_callbacks.SignalStop`: while its `training` flag is set, the first signal
-    only asks the trainer to save and stop after the current step; otherwise (loading, the
-    evaluations), and for a second signal, `RunStopped` is raised at once.
+    only asks the trainer to save and stop after the current step (during a periodic evaluation
+    it also ends that evaluation, `EvalInterrupted`, so the step it follows is saved at once);
+    otherwise (loading, the evaluations before and after training), and for a second signal,
+    `RunStopped` is raised at once.
     """
-    from gear.run_callbacks import SignalStop
+    from gear.run_callbacks import EvalInterrupted, SignalStop
 
     stop = SignalStop()
 
     def handler(signum: int, frame: Any) -> None:
         if stop.training and stop.signum is None:
             stop.request(signum)
+            name = signal.Signals(signum).name
+            if stop.evaluating:  # a periodic evaluation: drop it, save the step it follows
+                print(
+                    f"gear: {name}: stopping the evaluation, then saving a checkpoint of this "
+                    f"step (send it again to stop at once)",
+                    flush=True,
+                )
+                raise EvalInterrupted(signum)
             print(
-                f"gear: {signal.Signals(signum).name}: finishing this step, then saving a "
-                f"checkpoint (send it again to stop at once)",
+                f"gear: {name}: finishing this step, then saving a checkpoint (send it again "
+                f"to stop at once)",
                 flush=True,
             )
             return
@@ -466,26 +615,41 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         EvalCallback,
         MetricsFile,
         ProgressCallback,
+        checkpoint_step,
         evaluate_now,
         last_checkpoint,
         save_model_atomically,
+        target_steps,
+        truncate_run_logs,
     )
     from gear.tasks import get_task
 
     if resume and not run_dir.is_dir():
         raise ValueError(f"--resume: run directory {run_dir} does not exist")
+    if not resume and (run_dir / "config.yaml").is_file():
+        raise ValueError(
+            f"{run_dir} already holds a run; continue it with `gear train --resume {run_dir}`, "
+            f"or give a new run another --output-dir"
+        )
     # validate everything that can be wrong before anything is written
     task = get_task(cfg.task, **cfg.task_options)
     precision = run_precision(cfg)
     args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
+    if resume:
+        check_resume_steps(args.max_steps, run_dir)
+    checkpoint = last_checkpoint(run_dir) if resume else None
+    start_step = checkpoint_step(checkpoint)
     _say(console, f"precision: {precision.name} ({precision.reason}; {precision.capability})")
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = dataclasses.asdict(cfg) | {"output_dir": str(run_dir)}
-    resolved["trainer"] = {**resolved["trainer"], "bf16": precision.bf16}
+    # the config as asked for (bf16: auto stays auto, resolved again on resume); the choice made
+    # on this machine is recorded beside it
+    resolved = dataclasses.asdict(cfg) | {"output_dir": cfg.output_dir or str(run_dir)}
     resolved[PRECISION_KEY] = precision.as_dict()
     _write_atomically(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    # steps after the checkpoint are trained again: their records go, so each step is logged once
+    truncate_run_logs(run_dir, start_step)
     tokenizer = task.prepare_tokenizer(tokenizer)
     train_ds = task.dataset("train", n=cfg.train_size, seed=cfg.seed)
 
@@ -506,30 +670,40 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         )
         write_summary(run_dir, summary)
 
-    callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console), stop]
+    callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console)]
     if cfg.eval_every and cfg.eval_n:
-        callbacks.append(EvalCallback(task, cfg, tokenizer, console))
+        callbacks.append(EvalCallback(task, cfg, tokenizer, console, stop))
+    callbacks.append(stop)  # last: it sees a signal that came during a periodic evaluation
     trainer = build_trainer(cfg, args, model, tokenizer, task, train_ds, callbacks)
     if console is not None:  # the progress display and metrics.jsonl replace TRL's printed dicts
         trainer.remove_callback(PrinterCallback)
-    checkpoint = last_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        _say(console, f"resuming from {checkpoint}")
-    t0 = time.time()
-    stop.training = True
-    try:
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    finally:
-        stop.training = False
-        summary["train_seconds"] = summary.get("train_seconds", 0.0) + time.time() - t0
-        write_summary(run_dir, summary)
-    if stop.signum is not None:
-        saved = run_dir / f"checkpoint-{trainer.state.global_step}"
-        raise RunStopped(stop.signum, run_dir, saved if saved.is_dir() else None)
-    if cfg.eval_n:
+    trained = checkpoint is not None and start_step >= target_steps(args, checkpoint)
+    if trained:
+        # stopped after the last step (in the final evaluation or the final save): HF's Trainer
+        # would train one more step, so only the weights are loaded, for what is left to do
+        _say(console, f"training already done: {checkpoint.name}")
+        trainer._load_from_checkpoint(str(checkpoint))
+        trainer.state.global_step = start_step
+    else:
+        if checkpoint is not None:
+            _say(console, f"resuming from {checkpoint}")
+        t0 = time.time()
+        stop.training = True
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        finally:
+            stop.training = False
+            summary["train_seconds"] = summary.get("train_seconds", 0.0) + time.time() - t0
+            write_summary(run_dir, summary)
+        if stop.signum is not None:
+            saved = run_dir / f"checkpoint-{trainer.state.global_step}"
+            raise RunStopped(stop.signum, run_dir, saved if saved.is_dir() else None)
+    step = trainer.state.global_step
+    after = summary.get("eval_after")
+    if cfg.eval_n and not (trained and after and after.get("step") == step):
         summary["eval_after"] = evaluate_now(
             trainer.model, tokenizer, task, cfg, console, "after training"
-        )
+        ) | {"step": step}
     write_summary(run_dir, summary)
     save_model_atomically(trainer, run_dir / "final")
     render_outputs(run_dir)

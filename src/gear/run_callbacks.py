@@ -23,6 +23,58 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _record_step(line: str) -> float:
+    """The step of one metrics.jsonl line; inf for a line that is not a complete record (a
+    write cut short by kill -9)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return math.inf
+    return step if isinstance(step, int | float) and not isinstance(step, bool) else math.inf
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """RUN_DIR/metrics.jsonl as one record per step, in step order: the records of a step
+    (TRL's log, an evaluation, the end-of-training summary) merged, a later value of a key
+    replacing an earlier one, so a step written twice (a run resumed by an older gear, which
+    kept the records of steps it trained again) counts once, as last written. Lines that are
+    not complete JSON records are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[float, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip() or _record_step(line) == math.inf:
+            continue
+        record = json.loads(line)
+        by_step.setdefault(record["step"], {}).update(record)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def truncate_run_logs(run_dir: Path, step: int) -> None:
+    """Forget what a run logged after `step` (the checkpoint it resumes from): metrics.jsonl
+    keeps its records of steps <= `step` (rewritten atomically); credit records of rollouts
+    generated after it are deleted (a record is named after the steps done when its rollouts
+    were generated: step_000002.jsonl was written during the third step, so `step` keeps those
+    below it). The steps after the checkpoint are trained again and logged anew, so each step
+    appears once."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file():
+        lines = metrics.read_text().splitlines()
+        keep = [line for line in lines if line.strip() and _record_step(line) <= step]
+        if len(keep) != len(lines):
+            tmp = metrics.with_name(f".{metrics.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, metrics)
+    for record in (Path(run_dir) / "credit").glob("step_*.jsonl"):
+        try:
+            later = int(record.stem.removeprefix("step_")) >= step
+        except ValueError:
+            continue
+        if later:
+            record.unlink()
+
+
 class MetricsFile(TrainerCallback):
     """Appends every log (and evaluations) to RUN_DIR/metrics.jsonl as {"step": s, ...}."""
 
@@ -132,18 +184,39 @@ def step_line(progress: ProgressCallback, state: Any, logs: dict[str, Any]) -> s
     return "  ".join(parts)
 
 
+class EvalInterrupted(BaseException):
+    """A stop signal came during a periodic evaluation (raised by `gear.run.stop_signals`'
+    handler; a BaseException, like KeyboardInterrupt, so no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class SignalStop(TrainerCallback):
     """Ends training cleanly after a stop signal: at the end of the current step the trainer
     saves a checkpoint and stops (`gear.run.stop_signals` installs the handler that calls
-    `request`). Under torch.distributed every rank stops at the same step (the flag is reduced
-    with max), so no rank waits in a collective for one that left."""
+    `request`). Register it after `EvalCallback`, so a signal during a periodic evaluation
+    saves the step that evaluation follows; a signal during a checkpoint save stops right after
+    it. Under torch.distributed every rank stops at the same step (the flag is reduced with
+    max), so no rank waits in a collective for one that left."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.training = False  # set by the recipe around trainer.train()
+        self.evaluating = False  # set by EvalCallback around a periodic evaluation
 
     def request(self, signum: int) -> None:
         self.signum = signum
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """While a periodic evaluation runs, a stop signal ends it (`EvalInterrupted`)."""
+        self.evaluating = True
+        try:
+            yield
+        finally:
+            self.evaluating = False
 
     def _any_rank_stopping(self) -> bool:
         import torch
@@ -165,6 +238,10 @@ class SignalStop(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
 
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._any_rank_stopping():  # a signal during this save: this checkpoint is the last
+            control.should_training_stop = True
+
 
 STAGING = ".checkpoint-staging"  # hidden, and outside HF's `checkpoint-<step>` pattern
 
@@ -176,6 +253,20 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
     found = get_last_checkpoint(str(run_dir)) if Path(run_dir).is_dir() else None
     return Path(found) if found else None
+
+
+def checkpoint_step(checkpoint: Path | None) -> int:
+    """The step of a `checkpoint-<step>` directory; 0 for None (a run starting from scratch)."""
+    return int(Path(checkpoint).name.rsplit("-", 1)[1]) if checkpoint is not None else 0
+
+
+def target_steps(args: Any, checkpoint: Path | None) -> int:
+    """The step a run ends at: `max_steps`, or where it is -1 (train by epochs), the
+    `max_steps` the checkpoint's trainer state computed."""
+    if args.max_steps > 0 or checkpoint is None:
+        return args.max_steps
+    state = Path(checkpoint) / "trainer_state.json"
+    return int(json.loads(state.read_text()).get("max_steps", -1)) if state.is_file() else -1
 
 
 def _publish(staged: Path, target: Path) -> None:
@@ -323,10 +414,17 @@ def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, 
 
 
 class EvalCallback(TrainerCallback):
-    """Every `eval_every` steps: held-out pass@1, written to metrics.jsonl as eval/accuracy."""
+    """Every `eval_every` steps: held-out pass@1, written to metrics.jsonl as eval/accuracy.
 
-    def __init__(self, task: Any, cfg: Any, tokenizer: Any, console: Any) -> None:
+    stop: the run's `SignalStop`: no evaluation starts once a stop signal came, and one that
+    runs ends at the signal (`EvalInterrupted`), so the step it follows is saved at once
+    instead of after one more step."""
+
+    def __init__(
+        self, task: Any, cfg: Any, tokenizer: Any, console: Any, stop: SignalStop | None = None
+    ) -> None:
         self.task, self.cfg, self.tokenizer, self.console = task, cfg, tokenizer, console
+        self.stop = stop
 
     def on_step_end(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
@@ -336,10 +434,25 @@ class EvalCallback(TrainerCallback):
             state.is_world_process_zero
             and step % self.cfg.eval_every == 0
             and step < state.max_steps
-            and not control.should_training_stop  # a stop signal: save now, evaluate later
+            and not control.should_training_stop
+            and (self.stop is None or self.stop.signum is None)  # a stop signal: save now
         ):
             return
-        result = evaluate_now(model, self.tokenizer, self.task, self.cfg, None, f"step {step}")
+        try:
+            with self.stop.evaluation() if self.stop is not None else contextlib.nullcontext():
+                if self.stop is not None and self.stop.signum is not None:
+                    return  # the signal came just before: no evaluation
+                if self.console is not None and not self.console.is_terminal:  # for a log
+                    self.console.print(
+                        f"evaluating at step {step}: {self.cfg.eval_n} held-out problems",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                result = evaluate_now(
+                    model, self.tokenizer, self.task, self.cfg, None, f"step {step}"
+                )
+        except EvalInterrupted:
+            return  # SignalStop, the next callback, saves this step and stops
         MetricsFile(Path(args.output_dir) / "metrics.jsonl").write(
             step, {"eval/accuracy": result["pass@1"]}
         )
