@@ -184,7 +184,9 @@ def warm_start(
         if step % warm.check_every == 0:
             exact = exact_accuracy(model, task, eval_problems)
             if step % (10 * warm.check_every) == 0 or exact >= warm.target:
-                log(f"gym: warm start step {step}  loss {loss.item() / ref.numel():.3f}  exact {exact:.3f}")
+                log(
+                    f"gym: warm start step {step}  loss {loss.item() / ref.numel():.3f}  exact {exact:.3f}"
+                )
             if exact >= warm.target:
                 break
     acc = evaluate(model, task, eval_problems, seed=0)
