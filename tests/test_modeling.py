@@ -13,6 +13,7 @@ scheme makes a shared prefix differ (rotary scaling past its length limit: `dyna
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -180,7 +181,7 @@ def test_trl_and_verl_paths_give_the_models_own_signals(tmp_path, family):
     t_ids, t_mask, _ = trl_layout(teachers, responses)
     valid = s_mask[:, -T:].bool()
     for share in (True, False):
-        trainer.args.prefix_sharing = share
+        trainer._forwards = dataclasses.replace(trainer._forwards, prefix_sharing=share)
         with torch.no_grad():
             student = trainer._final_hidden(trainer.model, s_ids, s_mask, T)
             teacher = trainer._final_hidden(trainer.model, t_ids, t_mask, T)

@@ -4,6 +4,7 @@ sharing a prompt, prompts of different lengths, left padding, padded completions
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -230,7 +231,7 @@ def test_prefix_sharing_in_the_trainer_gives_the_plain_signals(tmp_path, monkeyp
     assert len(group_prefixes(teacher_ids, calls[1][0][2], n_keep)[0]) == 2  # 2 groups of 2
 
     (student, teacher_hidden, ids), kwargs = seen[0]
-    trainer.args.prefix_sharing = False
+    trainer._forwards = dataclasses.replace(trainer._forwards, prefix_sharing=False)
     with torch.no_grad():
         plain = [real_final(*a, **k) for a, k in calls]
     shared, unshared = (

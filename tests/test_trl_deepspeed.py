@@ -37,14 +37,14 @@ def test_deepspeed_vocabulary_check_reads_full_shapes_of_partitioned_heads(tmp_p
     _partitioned_like_zero3(teacher)
     assert teacher.get_output_embeddings().weight.shape[0] == 0
     assert full_shape(teacher.get_output_embeddings().weight) == (259, 16)
-    check_teacher_vocabulary(trainer, teacher, None)  # not "its LM head has 0 rows"
+    check_teacher_vocabulary(trainer.model, tok, teacher, None)  # not "its LM head has 0 rows"
 
     bigger = byte_tokenizer()
     bigger.add_tokens(["<extra>"])
     other = tiny_model(bigger)
     _partitioned_like_zero3(other)
     with pytest.raises(ValueError, match="LM head has 260 rows"):
-        check_teacher_vocabulary(trainer, other, None)
+        check_teacher_vocabulary(trainer.model, tok, other, None)
 
 
 @pytest.mark.distributed

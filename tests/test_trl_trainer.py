@@ -12,7 +12,7 @@ import trl
 from datasets import Dataset
 
 import gear.integrations.trl.credit as trl_credit
-import gear.integrations.trl.trainer as gear_trl
+import gear.integrations.trl.forwards as trl_forwards
 from _trl_helpers import byte_tokenizer, dataset, hash_reward, make_trainer, parameters, tiny_model
 from gear.credit import METHODS, CreditParams, credit_details, signals_from_logits
 from gear.integrations.trl import GEARTrainer
@@ -297,7 +297,7 @@ def test_teacher_prompts_over_budget_are_truncated_in_the_hint_and_counted(
 def test_rows_with_non_finite_signals_fall_back_to_grpo_and_training_continues(
     tmp_path, tok, monkeypatch
 ):
-    real_signals, real_details = gear_trl.signals_from_hidden, trl_credit.credit_details
+    real_signals, real_details = trl_forwards.signals_from_hidden, trl_credit.credit_details
 
     def poisoned(*args, **kwargs):
         signals = real_signals(*args, **kwargs)
@@ -305,7 +305,7 @@ def test_rows_with_non_finite_signals_fall_back_to_grpo_and_training_continues(
         return signals
 
     details = []
-    monkeypatch.setattr(gear_trl, "signals_from_hidden", poisoned)
+    monkeypatch.setattr(trl_forwards, "signals_from_hidden", poisoned)
     monkeypatch.setattr(
         trl_credit,
         "credit_details",
@@ -384,9 +384,7 @@ def test_assisted_generation_falls_back_to_a_student_forward(tmp_path, tok):
         "completion_ids": torch.tensor(completions),
         "completion_mask": torch.ones(1, len(completions[0]), dtype=torch.long),
     }
-    got, forward = trainer._student.take(inputs, 1)
-    torch.testing.assert_close(got, _student_forward(trainer, inputs), atol=1e-5, rtol=1e-4)
-    assert forward
+    assert trainer._student.take(inputs) is None  # nothing captured: the trainer runs a forward
 
 
 @pytest.mark.parametrize(
@@ -402,9 +400,9 @@ def test_signals_use_the_temperature_generation_sampled_with(
     trainer = make_trainer(tmp_path, tok, temperature=0.7, generation_kwargs=generation_kwargs)
     assert trainer.generation_config.temperature == generation_kwargs.get("temperature", 0.7)
     seen = []
-    real = gear_trl.signals_from_hidden
+    real = trl_forwards.signals_from_hidden
     monkeypatch.setattr(
-        gear_trl, "signals_from_hidden", lambda *a, **k: seen.append(k) or real(*a, **k)
+        trl_forwards, "signals_from_hidden", lambda *a, **k: seen.append(k) or real(*a, **k)
     )
     trainer.model.train()
     trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))

@@ -25,17 +25,17 @@ from trl.trainer.utils import pad
 from gear.teacher import TeacherPrompts, build_teacher_prompts, ground_truth_text, hint_template
 
 if TYPE_CHECKING:
-    from gear.integrations.trl.trainer import GEARTrainer
+    from trl import GRPOTrainer
 
 
-def trainer_hint_template(trainer: GEARTrainer) -> str:
+def trainer_hint_template(trainer: GRPOTrainer) -> str:
     """The configured hint template ('auto': 'tool' with tools or an environment)."""
     a = trainer.args
     uses_tools = bool(trainer.tools) or trainer.environment_factories is not None
     return hint_template(a.hint_kind, uses_tools, a.math_hint_template, a.tool_hint_template)
 
 
-def render_prompt(trainer: GEARTrainer, prompt: Any, tools: list | None) -> list[int]:
+def render_prompt(trainer: GRPOTrainer, prompt: Any, tools: list | None) -> list[int]:
     """Prompt -> ids exactly as TRL renders generation prompts (template, tools, kwargs)."""
     if isinstance(prompt, str):
         return list(trainer.processing_class(text=prompt)["input_ids"])
@@ -51,7 +51,7 @@ def render_prompt(trainer: GEARTrainer, prompt: Any, tools: list | None) -> list
     return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
 
-def teacher_prompts(trainer: GEARTrainer, prompts: list, ground_truths: list) -> TeacherPrompts:
+def teacher_prompts(trainer: GRPOTrainer, prompts: list, ground_truths: list) -> TeacherPrompts:
     """Teacher prompt ids per row (spec §4, `gear.teacher`), rendered like generation's."""
     tok = trainer._tokenizer
 
@@ -168,7 +168,7 @@ def _refuse_method(environment_class: type, name: str) -> None:
     )
 
 
-def check_ground_truth_sources(trainer: GEARTrainer, train_dataset: Any, eval_dataset: Any) -> None:
+def check_ground_truth_sources(trainer: GRPOTrainer, train_dataset: Any, eval_dataset: Any) -> None:
     """Start-up check that episodes can have a ground truth (methods that need the teacher).
 
     Without an environment every dataset needs the ground-truth column. With one, a row's

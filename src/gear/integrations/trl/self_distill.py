@@ -7,16 +7,13 @@ micro-batch, so the "current" teacher is exactly the weights being trained.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gear.credit.signals import reverse_kl_from_hidden
-from gear.integrations.trl.states import eval_mode
-
-if TYPE_CHECKING:
-    from gear.integrations.trl.trainer import GEARTrainer
+from gear.integrations.trl.forwards import Forwards, eval_mode
 
 
 def no_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -24,24 +21,44 @@ def no_reward(completions: list, **kwargs: Any) -> list[float]:
     return [0.0] * len(completions)
 
 
-def self_distill_loss(trainer: GEARTrainer, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+def self_distill_loss(
+    forwards: Forwards,
+    model: nn.Module,
+    teacher_model: nn.Module,
+    inputs: dict[str, Any],
+    accumulation: float,
+    separate_teacher: bool,
+) -> tuple[Tensor, dict[str, float]]:
     """OPSD: sum over valid tokens of KL(pi_S || sg(pi_T)), full vocabulary, divided by the
-    generation batch's valid-token count per accumulation window (TRL's 'dapo' normaliser),
-    so the gradient is that of the token-mean KL whatever the accumulation. Rows without a
-    ground truth have no teacher to follow and no loss."""
+    generation batch's valid-token count per accumulation window (TRL's 'dapo' normaliser:
+    `num_items_in_batch` / processes * `accumulation`, the current accumulation steps over
+    `steps_per_generation` in training, 1 in evaluation), so the gradient is that of the
+    token-mean KL whatever the accumulation. Rows without a ground truth have no teacher to
+    follow and no loss.
+
+    Args:
+        model: the policy as TRL passes it to the loss. teacher_model: the model the teacher
+            pass runs (the policy itself for the current teacher); `separate_teacher`: whether
+            it is a separate model with its own LM head (frozen / EMA).
+        inputs: TRL's micro-batch: (B, P) `prompt_ids` / `prompt_mask`, (B, T)
+            `completion_ids` / `completion_mask` (and `tool_mask`), and GEAR's (B, P_T + T)
+            `gear_teacher_input_ids` / `gear_teacher_attention_mask`, (B,) `gear_has_hint`.
+    Returns:
+        the loss, and `gear/kl_mean`, `gear/entropy_mean` over the valid tokens of all processes.
+    """
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     mask = mask * inputs["gear_has_hint"][:, None]
     n_keep = completion_ids.size(1)
-    teacher_model = trainer._teacher()
-    with torch.no_grad(), eval_mode(trainer.accelerator.unwrap_model(teacher_model)):
-        teacher_hidden = trainer._final_hidden(
+    accelerator = forwards.accelerator
+    with torch.no_grad(), eval_mode(accelerator.unwrap_model(teacher_model)):
+        teacher_hidden = forwards.hidden(
             teacher_model,
             inputs["gear_teacher_input_ids"],
             inputs["gear_teacher_attention_mask"],
             n_keep,
         )
-    student_hidden = trainer._final_hidden(
+    student_hidden = forwards.hidden(
         model,
         torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
         torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
@@ -49,7 +66,7 @@ def self_distill_loss(trainer: GEARTrainer, model: nn.Module, inputs: dict[str, 
         grad=True,
     )
     valid = mask.bool()
-    with trainer._heads() as (ws, bs, wt, bt):
+    with forwards.heads(model, teacher_model if separate_teacher else None) as (ws, bs, wt, bt):
         kl_valid, entropy_valid = reverse_kl_from_hidden(
             student_hidden[valid].to(ws.dtype),
             teacher_hidden[valid].to(wt.dtype),
@@ -57,19 +74,11 @@ def self_distill_loss(trainer: GEARTrainer, model: nn.Module, inputs: dict[str, 
             lm_head_bias=bs,
             teacher_lm_head_weight=wt,
             teacher_lm_head_bias=bt,
-            temperature=trainer._signal_temperature,
-            chunk_size=trainer.args.signal_chunk_size,
-            softcap=trainer._logit_softcap,
+            chunk_size=forwards.chunk_size,
+            **forwards.kernel_kwargs(),
         )
-    mode = "train" if trainer.model.training else "eval"
-    accelerator = trainer.accelerator
     normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / accelerator.num_processes
-    if mode == "train":
-        normalizer = (
-            normalizer
-            * trainer.current_gradient_accumulation_steps
-            / trainer.args.steps_per_generation
-        )
+    normalizer = normalizer * accumulation
     # `0 * student_hidden.sum()` keeps the graph connected when no token of the micro-batch is valid
     loss = kl_valid.sum() / normalizer + 0.0 * student_hidden.sum()
     totals = accelerator.reduce(
@@ -77,6 +86,7 @@ def self_distill_loss(trainer: GEARTrainer, model: nn.Module, inputs: dict[str, 
         reduction="sum",
     )
     count = totals[2].clamp(min=1.0)
-    trainer._metrics[mode]["gear/kl_mean"].append((totals[0] / count).item())
-    trainer._metrics[mode]["gear/entropy_mean"].append((totals[1] / count).item())
-    return loss
+    return loss, {
+        "gear/kl_mean": (totals[0] / count).item(),
+        "gear/entropy_mean": (totals[1] / count).item(),
+    }

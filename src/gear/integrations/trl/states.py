@@ -8,7 +8,8 @@ which of three sources gives them, and holds what it captured until the trainer 
   tokens were sampled from): no extra forward.
 - "trl_pass": read off TRL's own no-grad student pass (its `old_per_token_logps`), when TRL runs
   one anyway.
-- "forward": one no-grad student forward on prompt + completion (`final_hidden`).
+- "forward": one no-grad student forward on prompt + completion, run by the trainer
+  (`forwards.Forwards.hidden`) when `take` has nothing captured.
 
 The signals have eval-mode semantics: with active dropout the states of generation and of
 TRL's pass (train mode) are not the student's, so the forward runs instead, in eval mode, as
@@ -21,18 +22,16 @@ forward; every process takes the same decision, so sharded forwards pair up. A c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from trl.models.utils import disable_gradient_checkpointing
 
 from gear.modeling import capture_final_hidden
-from gear.prefix import plain_hidden, prefix_shared_hidden
 
 if TYPE_CHECKING:
-    from gear.integrations.trl.trainer import GEARTrainer
+    from trl import GRPOTrainer
 
 GENERATION, TRL_PASS, FORWARD = "generation", "trl_pass", "forward"
 # generation settings under which `generate` does not make one call per sampled token
@@ -40,16 +39,17 @@ ASSISTED = ("assistant_model", "assistant_early_exit", "use_mtp", "prompt_lookup
 
 
 class StudentStates:
-    """Captures (or computes) the student's (B, T, H) final hidden states of one batch.
+    """Captures the student's (B, T, H) final hidden states of one batch.
 
-    Usage, per generation batch::
+    Reads TRL's generation settings off the `GRPOTrainer` it serves (never GEAR's). Usage,
+    per generation batch::
 
         with states.capturing(need=True):   # decides the source
             output = ...                      # TRL generates; `generate` / `trl_pass` capture
-        hidden = states.take(output, batch_size)   # captured, or one forward
+        hidden = states.take(output)          # captured, or None: run the student forward
     """
 
-    def __init__(self, trainer: GEARTrainer) -> None:
+    def __init__(self, trainer: GRPOTrainer) -> None:
         self._trainer = trainer
         self.source: str | None = None  # the source of the batch being generated
         self._captured: Tensor | None = None
@@ -154,28 +154,17 @@ class StudentStates:
 
     # ----------------------------------------------------------------------------- take
 
-    def take(self, output: dict[str, Any], batch_size: int) -> tuple[Tensor, bool]:
-        """(B, T, H) student states of the batch `output`, and whether a forward computed them.
-
-        Captured states are padded to TRL's completion width (`pad_to_multiple_of`)."""
-        t = self._trainer
+    def take(self, output: dict[str, Any]) -> Tensor | None:
+        """(B, T, H) captured student states of the batch `output`, padded to TRL's completion
+        width T (`pad_to_multiple_of`); None when nothing was captured (source "forward")."""
         captured, self._captured = self._captured, None
-        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        width = completion_ids.shape[1]
-        if captured is not None:
-            return torch.nn.functional.pad(captured, (0, 0, 0, width - captured.shape[1])), False
-        with eval_mode(t.accelerator.unwrap_model(t.model)):
-            hidden = t._final_hidden(
-                t.model,
-                torch.cat([output["prompt_ids"], completion_ids], dim=1),
-                torch.cat([output["prompt_mask"], completion_mask], dim=1),
-                width,
-                batch_size,
-            )
-        return hidden, True
+        if captured is None:
+            return None
+        width = output["completion_ids"].shape[1]
+        return torch.nn.functional.pad(captured, (0, 0, 0, width - captured.shape[1]))
 
 
-# --------------------------------------------------------------------------------- forwards
+# --------------------------------------------------------------------------------- capture
 
 
 class Captured(list):
@@ -206,46 +195,6 @@ def capture_hidden(
         yield captured
 
 
-def final_hidden(
-    accelerator: Any,
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    n_keep: int,
-    batch_size: int | None = None,
-    grad: bool = False,
-    gradient_checkpointing_kwargs: dict | None = None,
-    share_prefix: bool = False,
-) -> Tensor:
-    """(B, n_keep, H) final hidden states at the positions predicting the last n_keep tokens.
-
-    Runs the root module (so DDP / DeepSpeed / PEFT hooks fire) with `logits_to_keep=1` and
-    reads the backbone's output (`gear.prefix.plain_hidden`); rows go in chunks of
-    `batch_size`, like TRL's passes. With `share_prefix` (no-grad only), rows sharing their
-    first L - n_keep tokens compute them once (`gear.prefix.prefix_shared_hidden`).
-    """
-    unwrapped = accelerator.unwrap_model(model)
-    no_checkpointing = (
-        disable_gradient_checkpointing(unwrapped, gradient_checkpointing_kwargs)
-        if not grad and checkpointing(unwrapped)
-        else nullcontext()
-    )
-    with no_checkpointing, accelerator.autocast():
-        if share_prefix and not grad:
-            with torch.no_grad():
-                return prefix_shared_hidden(
-                    model, input_ids, attention_mask, n_keep, batch_size=batch_size
-                )
-        hidden = plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
-    return hidden if grad else hidden.detach()
-
-
-def checkpointing(model: nn.Module) -> bool:
-    """Whether activation (gradient) checkpointing is on, without transformers' rename warning."""
-    on = getattr(model, "is_activation_checkpointing", None)
-    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
-
-
 def _first_decoding_call(lengths: list[int], prompt_width: int) -> int | None:
     """Index of the call whose last position predicts the first completion token: the one
     where the prefill's calls add up to the prompt width; None when no call ends there."""
@@ -271,18 +220,6 @@ def dropout_active(model: nn.Module) -> bool:
             if isinstance(value, float) and value > 0 and module.training:
                 return True
     return False
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run the signal passes in eval mode (no dropout), restoring each module's mode after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 # Sampling settings that reshape the distribution tokens are drawn from (TRL's config fields and

@@ -34,32 +34,33 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import create_model_from_path, disable_dropout_in_model
 
-from gear.modeling import logit_scale, logit_softcap
+from gear.modeling import LogitConventions
 
 if TYPE_CHECKING:
-    from gear.integrations.trl.trainer import GEARTrainer
+    from trl import GRPOTrainer
 
 TEACHER_FILE = "gear_teacher.safetensors"  # frozen / ema teacher weights inside a checkpoint
 MASTER_ATTR = "_gear_ema_master"  # name -> float32 master of a low-precision EMA parameter
 
 
 class EMATeacherUpdate(TrainerCallback):
-    """Moves the EMA teacher towards the policy after every optimizer step."""
+    """Moves the EMA teacher towards the policy after every optimizer step (`update()`)."""
 
-    def __init__(self, trainer: GEARTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, update: Callable[[], None]) -> None:
+        self.update = update
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.update_ema_teacher()
+        self.update()
 
 
 # ----------------------------------------------------------------------------------- building
 
 
 def build_teacher(
-    trainer: GEARTrainer, teacher_model: PreTrainedModel | str | None, teacher_tokenizer: Any
+    trainer: GRPOTrainer, teacher_model: PreTrainedModel | str | None, teacher_tokenizer: Any
 ) -> nn.Module | None:
-    """None for the current teacher, else the frozen / EMA teacher, ready on the device."""
+    """None for the current teacher, else the frozen / EMA teacher, ready on the device, placed
+    like `trainer` (TRL's) places its reference model."""
     args = trainer.args
     if args.teacher == "current":
         return None
@@ -83,7 +84,7 @@ def build_teacher(
             teacher = create_model_from_path(teacher_model, **kwargs)  # zero.Init under ZeRO-3
         else:
             teacher = teacher_model
-        check_teacher_vocabulary(trainer, teacher, teacher_tokenizer)
+        check_teacher_vocabulary(policy, trainer._tokenizer, teacher, teacher_tokenizer)
     teacher.eval()
     teacher.requires_grad_(False)
     disable_dropout_in_model(teacher)
@@ -127,13 +128,16 @@ def _init_deepspeed_comm() -> None:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
-def check_teacher_vocabulary(trainer: GEARTrainer, teacher: nn.Module, tokenizer: Any) -> None:
-    """A separate teacher must score the same token ids: same vocabulary, same head size.
+def check_teacher_vocabulary(
+    policy: nn.Module, policy_tokenizer: Any, teacher: nn.Module, tokenizer: Any
+) -> None:
+    """A separate teacher must score the same token ids: same vocabulary, same head size, and
+    turn its head's output into logits alike (`LogitConventions`).
 
     The head sizes are read from the full shapes: under ZeRO-3 a model loaded under `zero.Init`
     holds size-0 shards (`ds_shape` keeps the full one)."""
     if tokenizer is not None:
-        ours, theirs = trainer._tokenizer.get_vocab(), tokenizer.get_vocab()
+        ours, theirs = policy_tokenizer.get_vocab(), tokenizer.get_vocab()
         if ours != theirs:
             diff = sorted(set(ours.items()) ^ set(theirs.items()))[:5]
             raise ValueError(
@@ -142,7 +146,6 @@ def check_teacher_vocabulary(trainer: GEARTrainer, teacher: nn.Module, tokenizer
                 "GEAR scores the student's token ids with the teacher, so both must share "
                 "one vocabulary"
             )
-    policy = trainer.accelerator.unwrap_model(trainer.model)
     ours_v = full_shape(policy.get_output_embeddings().weight)[0]
     theirs_v = full_shape(teacher.get_output_embeddings().weight)[0]
     if ours_v != theirs_v:
@@ -150,12 +153,12 @@ def check_teacher_vocabulary(trainer: GEARTrainer, teacher: nn.Module, tokenizer
             f"teacher_model: its LM head has {theirs_v} rows, the policy's {ours_v}; the "
             "teacher must use the policy's tokenizer"
         )
-    text_config = teacher.config.get_text_config()
-    if logit_scale(text_config) != trainer._logit_scale:
+    ours_c, theirs_c = LogitConventions.of(policy), LogitConventions.of(teacher)
+    if theirs_c.scale != ours_c.scale:
         raise ValueError(
             "teacher_model: its logit scale differs from the policy's, which is not supported"
         )
-    if logit_softcap(text_config) != trainer._logit_softcap:
+    if theirs_c.softcap != ours_c.softcap:
         raise ValueError(
             "teacher_model: its final_logit_softcapping differs from the policy's, which is not "
             "supported"

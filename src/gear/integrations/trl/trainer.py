@@ -1,9 +1,11 @@
 """`GEARTrainer`: TRL's GRPO trainer whose sequence advantages become GEAR token advantages.
 
 Only TRL overrides and the orchestration of one batch live here (spec §1-5): the student states
-come from `states.StudentStates`, the frozen / EMA teacher from `teacher_model`, the teacher
-prompts from `prompts` (`gear.teacher`), the credit of the batch from `credit`
-(`gear.credit`), the OPSD loss from `self_distill`, logging from `records`.
+come from `states.StudentStates`, the forwards and signal kernels from `forwards.Forwards`
+(built once here), the frozen / EMA teacher from `teacher_model`, the teacher prompts from
+`prompts` (`gear.teacher`), the credit of the batch from `credit` (`gear.credit`), the OPSD
+loss from `self_distill`, logging from `records`. This is the only module that knows
+`GEARTrainer`: the others take TRL's `GRPOTrainer`, a `Forwards`, or plain values.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -24,13 +24,13 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals
 from gear.credit.methods import METHODS
-from gear.credit.signals import signals_from_hidden
+from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
 from gear.integrations.trl.credit import batch_credit, without_unhinted_rows
+from gear.integrations.trl.forwards import Forwards, eval_mode
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
     check_ground_truth_sources,
@@ -40,25 +40,18 @@ from gear.integrations.trl.prompts import (
     teacher_prompts,
 )
 from gear.integrations.trl.quantized import keep_4bit_layers_trainable
-from gear.integrations.trl.records import log_stats, maybe_write_credit_record
+from gear.integrations.trl.records import local_rewards, log_stats, write_batch_record
 from gear.integrations.trl.self_distill import no_reward, self_distill_loss
-from gear.integrations.trl.states import (
-    StudentStates,
-    eval_mode,
-    final_hidden,
-    sampling_shapers,
-    sampling_temperature,
-)
+from gear.integrations.trl.states import StudentStates, sampling_shapers, sampling_temperature
 from gear.integrations.trl.teacher_model import (
     EMATeacherUpdate,
     build_teacher,
     load_teacher,
-    logit_scale,
-    logit_softcap,
     save_teacher,
     update_ema,
 )
 from gear.integrations.trl.vllm_sync import keep_vllm_weights_updatable
+from gear.modeling import LogitConventions
 from gear.teacher import TeacherPrompts
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
@@ -150,12 +143,8 @@ class GEARTrainer(GRPOTrainer):
             raise NotImplementedError(
                 "GEARTrainer supports text-only models (the teacher pass has no image inputs)"
             )
-        text_config = self.model.config.get_text_config()
-        if logit_softcap(text_config) is not None and logit_scale(text_config) != 1.0:
-            raise NotImplementedError(
-                "GEARTrainer: a model with both final_logit_softcapping and a logit scale is not "
-                "supported (the order of the two is model-specific)"
-            )
+        conventions = LogitConventions.of(self.model)
+        conventions.signal_kwargs(1.0)  # refuses softcap + logit scale now, not at a batch
         if args.loss_mode == "self_distill" and self.is_deepspeed_enabled:
             raise NotImplementedError(
                 "loss_mode='self_distill' reads lm_head.weight outside the forward, which "
@@ -171,7 +160,7 @@ class GEARTrainer(GRPOTrainer):
         self_distill = args.loss_mode == "self_distill"
         # what this run computes: student signals (any requirement), a teacher (KL or its log-probs)
         self._needs_signals = self_distill or bool(requires)
-        self._needs_teacher = self_distill or bool(set(requires) & {"kl", "teacher_logprobs"})
+        self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
         if self._needs_signals and (shapers := sampling_shapers(args)):
             named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
             warnings.warn(
@@ -183,12 +172,21 @@ class GEARTrainer(GRPOTrainer):
             )
         if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
             check_ground_truth_sources(self, train_dataset, eval_dataset)
-        self._logit_scale = logit_scale(text_config)
-        self._logit_softcap = logit_softcap(text_config)
+        self._forwards = Forwards(
+            accelerator=self.accelerator,
+            conventions=conventions,
+            temperature=sampling_temperature(self),
+            estimator=args.kl_estimator,
+            topk=args.kl_topk,
+            chunk_size=args.signal_chunk_size,
+            prefix_sharing=args.prefix_sharing,
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+        )
         self._student = StudentStates(self)
         self.teacher_model = build_teacher(self, teacher_model, teacher_processing_class)
         if args.teacher == "ema":
-            self.add_callback(EMATeacherUpdate(self))
+            # looked up at each step: a run may wrap `update_ema_teacher` (scripts time it)
+            self.add_callback(EMATeacherUpdate(lambda: self.update_ema_teacher()))
         self._gear_prompts: list | None = None  # prompts of the batch being generated
         self._gear_env_ground_truths: list | None = None  # its environments' ground truths
         self._gear_rewards: Tensor | None = None  # (all rows, reward funcs), gathered
@@ -291,7 +289,7 @@ class GEARTrainer(GRPOTrainer):
                     output["gear_teacher_attention_mask"],
                     output["gear_has_hint"],
                 ) = teacher
-                log_stats(self, mode, stats)
+                log_stats(self.accelerator, self._metrics[mode], stats)
                 return output
         if self._needs_signals:
             signals = self._token_signals(output, teacher, valid, mode, stats)
@@ -304,14 +302,45 @@ class GEARTrainer(GRPOTrainer):
         details = self._credit(sequence_advantages, valid, turn_starts, credit_signals)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
-        log_stats(self, mode, stats)
+        log_stats(self.accelerator, self._metrics[mode], stats)
         for key, value in details.stats.items():  # already over the whole generation batch
             self._metrics[mode][key].append(value)
         if mode == "train":
-            maybe_write_credit_record(
-                self, output, details, signals, sequence_advantages, self._gear_prompts
-            )
+            self._maybe_write_credit_record(output, details, signals, sequence_advantages)
         return output
+
+    def _maybe_write_credit_record(
+        self,
+        output: dict[str, Any],
+        details: CreditDetails,
+        signals: TokenSignals | None,
+        advantages: Tensor,
+    ) -> None:
+        """`output_dir/credit/step_XXXXXX.jsonl` every `credit_log_steps` steps (main process,
+        its first `credit_log_rows` rows; `records.write_batch_record`)."""
+        every, n_rows = self.args.credit_log_steps, self.args.credit_log_rows
+        step = self.state.global_step
+        if every == 0 or n_rows == 0 or step < self._gear_next_record_step:
+            return
+        self._gear_next_record_step = step + every
+        if not self.accelerator.is_main_process:
+            return
+        n = output["completion_ids"].size(0)
+        write_batch_record(
+            self.args.output_dir,
+            step,
+            self._tokenizer,
+            output,
+            details,
+            signals,
+            advantages,
+            local_rewards(
+                self._gear_rewards, self.reward_weights, self.accelerator.process_index, n
+            ),
+            self._gear_prompts,
+            self.credit_params.method,
+            n_rows,
+        )
 
     @torch.no_grad()
     def _token_signals(
@@ -333,7 +362,17 @@ class GEARTrainer(GRPOTrainer):
             else self.args.per_device_eval_batch_size
         )
         t0 = time.perf_counter()
-        student_hidden, forward = self._student.take(output, batch_size)
+        student_hidden = self._student.take(output)
+        forward = student_hidden is None
+        if forward:
+            with eval_mode(self.accelerator.unwrap_model(self.model)):
+                student_hidden = self._final_hidden(
+                    self.model,
+                    torch.cat([output["prompt_ids"], completion_ids], dim=1),
+                    torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+                    n_keep,
+                    batch_size,
+                )
         t1 = time.perf_counter()
         teacher_hidden = None
         if teacher is not None:
@@ -395,40 +434,8 @@ class GEARTrainer(GRPOTrainer):
         batch_size: int | None = None,
         grad: bool = False,
     ) -> Tensor:
-        """(B, n_keep, H) final hidden states predicting the last n_keep tokens (`final_hidden`)."""
-        return final_hidden(
-            self.accelerator,
-            model,
-            input_ids,
-            attention_mask,
-            n_keep,
-            batch_size,
-            grad=grad,
-            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            share_prefix=self.args.prefix_sharing and not grad,
-        )
-
-    @contextmanager
-    def _heads(self) -> Iterator[tuple[Tensor, Tensor | None, Tensor, Tensor | None]]:
-        """(W_S, b_S, W_T, b_T) of the student and teacher LM heads, gathered if sharded."""
-        student = self.accelerator.unwrap_model(self.model).get_output_embeddings()
-        teacher = (
-            student
-            if self.teacher_model is None
-            else self._unwrapped_teacher().get_output_embeddings()
-        )
-        with maybe_gather_lm_head_ctx(student.weight, student.bias, teacher.weight, teacher.bias):
-            yield (*_full(student.weight, student.bias), *_full(teacher.weight, teacher.bias))
-
-    def _unwrapped_teacher(self) -> nn.Module:
-        t = self.teacher_model
-        return t.module if hasattr(t, "module") else t  # a DeepSpeed engine wraps the module
-
-    @property
-    def _signal_temperature(self) -> float:
-        """The temperature generation actually sampled with (`generation_kwargs` may override
-        `temperature`; greedy decoding: 1), folded with the model's logit scale (logits * s / T)."""
-        return sampling_temperature(self) / self._logit_scale
+        """(B, n_keep, H) final hidden states predicting the last n_keep tokens (`Forwards.hidden`)."""
+        return self._forwards.hidden(model, input_ids, attention_mask, n_keep, batch_size, grad)
 
     def _signals(
         self,
@@ -437,37 +444,34 @@ class GEARTrainer(GRPOTrainer):
         token_ids: Tensor,
         mask: Tensor | None = None,
     ) -> TokenSignals:
-        """Per-token KL / entropy / log-probs from the final hidden states (spec §1), computed
-        at the `mask` positions only (policy tokens; 0 elsewhere)."""
-        kwargs = dict(
-            temperature=self._signal_temperature,
-            estimator=self.args.kl_estimator,
-            topk=self.args.kl_topk,
-            chunk_size=self.args.signal_chunk_size,
-            mask=mask,
-            softcap=self._logit_softcap,
+        """Per-token KL / entropy / log-probs from the (B, T, H) final hidden states (spec §1),
+        computed at the (B, T) `mask` positions only (policy tokens; 0 elsewhere)."""
+        return self._forwards.signals(
+            self.model, self.teacher_model, student_hidden, teacher_hidden, token_ids, mask=mask
         )
-        with self._heads() as (ws, bs, wt, bt):
-            hs = student_hidden.to(ws.dtype)
-            ht = None if teacher_hidden is None else teacher_hidden.to(wt.dtype)
-            separate = wt is not ws or bt is not bs
-            return signals_from_hidden(
-                hs,
-                ht,
-                ws,
-                token_ids,
-                lm_head_bias=bs,
-                teacher_lm_head_weight=wt if separate else None,
-                teacher_lm_head_bias=bt if separate else None,
-                **kwargs,
-            )
 
     # ------------------------------------------------------------------------------- loss
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
-        if self.args.loss_mode == "self_distill":
-            return self_distill_loss(self, model, inputs)
-        return super()._compute_loss(model, inputs)
+        if self.args.loss_mode != "self_distill":
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        accumulation = (
+            self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            if mode == "train"
+            else 1.0
+        )
+        loss, stats = self_distill_loss(
+            self._forwards,
+            model,
+            self._teacher(),
+            inputs,
+            accumulation,
+            separate_teacher=self.teacher_model is not None,
+        )
+        for key, value in stats.items():
+            self._metrics[mode][key].append(value)
+        return loss
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -485,14 +489,6 @@ def _response_mask(output: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
     after_tool = torch.zeros_like(valid)
     after_tool[:, 1:] = ~policy[:, :-1]
     return valid, valid & after_tool
-
-
-def _full(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """FSDP2 exposes sharded DTensors; the signals need plain full tensors."""
-    if hasattr(weight, "full_tensor"):
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if bias is not None else None
-    return weight, bias
 
 
 __all__ = ["TESTED_TRL", "GEARTrainer", "no_reward"]

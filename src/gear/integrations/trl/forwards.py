@@ -1,0 +1,177 @@
+"""GEAR's forwards in TRL: final hidden states, the LM heads, and the chunked signal kernel.
+
+`Forwards` holds what these need and nothing else (the accelerator, the model's logit
+conventions, the sampling temperature, the kernel's estimator and chunking, prefix sharing);
+the trainer builds it once and hands it to the code that runs forwards (its own signal pass
+and `self_distill`). The models are passed at each call: under FSDP the trainer's `model` is
+replaced when training starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+from gear.credit import TokenSignals
+from gear.credit.signals import signals_from_hidden
+from gear.modeling import LogitConventions
+from gear.prefix import plain_hidden, prefix_shared_hidden
+
+Heads = tuple[Tensor, Tensor | None, Tensor, Tensor | None]
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """What GEAR's forwards and signal kernels need, fixed when the trainer is built.
+
+    temperature: the temperature generation sampled with (`sampling_temperature`), before the
+        model's logit scale, which `conventions.signal_kwargs` folds in.
+    """
+
+    accelerator: Any
+    conventions: LogitConventions
+    temperature: float
+    estimator: str
+    topk: int
+    chunk_size: int
+    prefix_sharing: bool
+    gradient_checkpointing_kwargs: dict | None = None
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """`temperature` and `softcap` for `gear.credit.signals` (the logit scale folded in)."""
+        return self.conventions.signal_kwargs(self.temperature)
+
+    def hidden(
+        self,
+        model: nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        n_keep: int,
+        batch_size: int | None = None,
+        grad: bool = False,
+    ) -> Tensor:
+        """(B, n_keep, H) final hidden states predicting the last n_keep tokens of the (B, L)
+        `input_ids` (`final_hidden`; prefix sharing for no-grad passes when configured)."""
+        return final_hidden(
+            self.accelerator,
+            model,
+            input_ids,
+            attention_mask,
+            n_keep,
+            batch_size,
+            grad=grad,
+            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
+            share_prefix=self.prefix_sharing and not grad,
+        )
+
+    @contextmanager
+    def heads(self, student: nn.Module, teacher: nn.Module | None) -> Iterator[Heads]:
+        """(W_S, b_S, W_T, b_T) of the student's and the teacher's LM heads, gathered if sharded:
+        W (V, H), b (V,) or None. `teacher` None: the student's head (the current teacher)."""
+        s_head = self.accelerator.unwrap_model(student).get_output_embeddings()
+        t_head = s_head if teacher is None else _unwrapped(teacher).get_output_embeddings()
+        with maybe_gather_lm_head_ctx(s_head.weight, s_head.bias, t_head.weight, t_head.bias):
+            yield (*_full(s_head.weight, s_head.bias), *_full(t_head.weight, t_head.bias))
+
+    def signals(
+        self,
+        student: nn.Module,
+        teacher: nn.Module | None,
+        student_hidden: Tensor,
+        teacher_hidden: Tensor | None,
+        token_ids: Tensor,
+        mask: Tensor | None = None,
+    ) -> TokenSignals:
+        """Per-token KL / entropy / log-probs (spec §1) of the (B, T) `token_ids` from (B, T, H)
+        final hidden states (`teacher_hidden` None: the student's entropy and log-probs only),
+        computed at the (B, T) `mask` positions (0 elsewhere). `student` / `teacher` give the
+        LM heads (`teacher` None: the student's)."""
+        with self.heads(student, teacher) as (ws, bs, wt, bt):
+            hs = student_hidden.to(ws.dtype)
+            ht = None if teacher_hidden is None else teacher_hidden.to(wt.dtype)
+            separate = wt is not ws or bt is not bs
+            return signals_from_hidden(
+                hs,
+                ht,
+                ws,
+                token_ids,
+                lm_head_bias=bs,
+                teacher_lm_head_weight=wt if separate else None,
+                teacher_lm_head_bias=bt if separate else None,
+                estimator=self.estimator,
+                topk=self.topk,
+                chunk_size=self.chunk_size,
+                mask=mask,
+                **self.kernel_kwargs(),
+            )
+
+
+def final_hidden(
+    accelerator: Any,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    n_keep: int,
+    batch_size: int | None = None,
+    grad: bool = False,
+    gradient_checkpointing_kwargs: dict | None = None,
+    share_prefix: bool = False,
+) -> Tensor:
+    """(B, n_keep, H) final hidden states at the positions predicting the last n_keep tokens.
+
+    Runs the root module (so DDP / DeepSpeed / PEFT hooks fire) with `logits_to_keep=1` and
+    reads the backbone's output (`gear.prefix.plain_hidden`); rows go in chunks of
+    `batch_size`, like TRL's passes. With `share_prefix` (no-grad only), rows sharing their
+    first L - n_keep tokens compute them once (`gear.prefix.prefix_shared_hidden`).
+    """
+    unwrapped = accelerator.unwrap_model(model)
+    no_checkpointing = (
+        disable_gradient_checkpointing(unwrapped, gradient_checkpointing_kwargs)
+        if not grad and checkpointing(unwrapped)
+        else nullcontext()
+    )
+    with no_checkpointing, accelerator.autocast():
+        if share_prefix and not grad:
+            with torch.no_grad():
+                return prefix_shared_hidden(
+                    model, input_ids, attention_mask, n_keep, batch_size=batch_size
+                )
+        hidden = plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
+    return hidden if grad else hidden.detach()
+
+
+def checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on, without transformers' rename warning."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run the signal passes in eval mode (no dropout), restoring each module's mode after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _unwrapped(teacher: nn.Module) -> nn.Module:
+    return teacher.module if hasattr(teacher, "module") else teacher  # a DeepSpeed engine
+
+
+def _full(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """FSDP2 exposes sharded DTensors; the signals need plain full tensors."""
+    if hasattr(weight, "full_tensor"):
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    return weight, bias
