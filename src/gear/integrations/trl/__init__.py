@@ -30,8 +30,10 @@ KL(student || detached teacher) over the full vocabulary (OPSD, arXiv 2601.18734
 needed. The teacher pass then runs inside the loss, under no_grad, on the current micro-batch, so
 the "current" teacher is exactly the weights being trained.
 
-Modules: `config` (GEARConfig), `trainer` (TRL overrides and the orchestration of a batch),
-`states` (where the student's hidden states come from), `teacher_model` (frozen / EMA teacher),
+Modules: `config` (GEARConfig), `trainer` (TRL overrides and the orchestration of a batch; the
+only module that knows `GEARTrainer`), `forwards` (final hidden states, LM heads and the signal
+kernel, with what they need in one `Forwards` built by the trainer), `states` (where the
+student's hidden states come from), `teacher_model` (frozen / EMA teacher),
 `prompts` (a batch's teacher prompts, via `gear.teacher`), `credit` (the credit of this
 process's rows on the whole generation batch), `self_distill` (the OPSD loss), `records`
 (gear/* metrics and credit records).
