@@ -83,9 +83,10 @@ def test_config_validation_errors(tmp_path):
     assert (
         validate_verl_config(verl_cfg(**{"algorithm.adv_estimator": "gear_turn"})).method == "turn"
     )
-    assert not validate_verl_config(
-        verl_cfg(**{"algorithm.adv_estimator": "gear_grpo"})
-    ).needs_teacher
+    grpo = validate_verl_config(verl_cfg(**{"algorithm.adv_estimator": "gear_grpo"}))
+    assert not grpo.needs_teacher and not grpo.needs_signals
+    entropy = validate_verl_config(verl_cfg(**{"algorithm.adv_estimator": "gear_entropy_top"}))
+    assert entropy.needs_signals and not entropy.needs_teacher  # the student's entropy alone
     cases = {
         "algorithm.adv_estimator": ("grpo", "algorithm.adv_estimator: expected one of"),
         "trainer.v1.trainer_mode": ("sync", "trainer.v1.trainer_mode: expected 'gear_sync'"),

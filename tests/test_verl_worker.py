@@ -201,3 +201,44 @@ def test_worker_errors(model):
         worker.actor.engine.use_ulysses_sp = True
         with pytest.raises(NotImplementedError, match="Ulysses"):
             worker.compute_log_prob(batch(prompts, teachers, responses, True, False, fused=True))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_entropy_top_runs_no_teacher_forward_and_still_gets_the_entropy(model, monkeypatch, fused):
+    """A method that reads the student's entropy alone (gear_entropy_top) sends no teacher
+    prompts and ``gear_teacher=False``: no teacher forward runs (only a one-token forward that
+    holds the LM head for the kernel), and entropy / student log-probs equal the oracle's."""
+    pytest.importorskip("verl")
+    from verl.utils import tensordict_utils as tu
+
+    from gear.integrations.verl import teacher_pass
+
+    monkeypatch.setattr(
+        teacher_pass, "teacher_signals", lambda *a, **k: pytest.fail("a teacher forward ran")
+    )
+    prompts, _, responses = rows(5, n=4)
+    td = batch(prompts, None, responses, True, False, fused=fused)
+    tu.assign_non_tensor(td, gear_teacher=False)  # the runner's option for such a method
+    widths = []
+    with verl_on_cpu():
+        worker = gear_worker(model, True, False, mbs=1)
+        handle = model.register_forward_pre_hook(
+            lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[-1]), with_kwargs=True
+        )
+        try:
+            out = (worker.compute_log_prob if fused else worker.compute_gear_signals)(td)
+        finally:
+            handle.remove()
+    student = {"entropy", "student_logprobs"}
+    assert sorted(k for k in SIGNAL_FIELDS.values() if k in out) == sorted(
+        SIGNAL_FIELDS[name] for name in student
+    )
+    for i in range(len(prompts)):
+        ref = oracle(model, prompts[i], prompts[i], responses[i], 0.7)
+        for name in student:
+            torch.testing.assert_close(
+                out[SIGNAL_FIELDS[name]][i], getattr(ref, name)[0], rtol=1e-4, atol=1e-5
+            )
+    # per micro-batch (one row): the student's forward (verl's or ours), then one token
+    assert widths[1::2] == [1] * len(prompts)
+    assert widths[0::2] == [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gear.credit import METHODS, CreditParams
-from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
+from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS, TEACHER_SIGNALS
 from gear.teacher import HINT_KINDS, HINT_TEMPLATES
 
 #: verl estimator name -> gear.credit method, one per registered method: the method's own name
@@ -87,9 +87,15 @@ class GearVerlSettings:
     norm_adv_by_std: bool = True
 
     @property
-    def needs_teacher(self) -> bool:
+    def needs_signals(self) -> bool:
         """Whether the method reads any per-token signal (every method but gear_grpo)."""
         return bool(METHODS[self.method].requires)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the method reads a teacher signal (KL, teacher log-probs): all but gear_grpo
+        and gear_entropy_top, which reads the student's entropy alone."""
+        return bool(set(METHODS[self.method].requires) & set(TEACHER_SIGNALS))
 
 
 def _get(cfg: Any, path: str, default: Any = None) -> Any:
@@ -280,15 +286,16 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         params = g.credit_params(method)
     except ValueError as e:
         raise GearConfigError(f"gear.credit: {e}") from e
-    if check_files:
-        check_ground_truth_field(g.ground_truth_field, _train_files(cfg))
-    return GearVerlSettings(
+    settings = GearVerlSettings(
         estimator=str(estimator),
         method=method,
         gear=g,
         params=params,
         norm_adv_by_std=bool(_get(cfg, "algorithm.norm_adv_by_std_in_grpo", True)),
     )
+    if check_files and settings.needs_teacher:  # only the teacher hint reads the ground truth
+        check_ground_truth_field(g.ground_truth_field, _train_files(cfg))
+    return settings
 
 
 def default_gear_section() -> dict[str, Any]:

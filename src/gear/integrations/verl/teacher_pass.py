@@ -40,6 +40,8 @@ FUSED_KEY = "gear_signals"
 class TeacherPassOptions:
     """Options of the pass (``gear.*`` keys, carried in the batch's non-tensor data).
 
+    teacher: whether a teacher forward runs (rows carry teacher prompts); False for methods
+        that read the student's signals only (``gear_entropy_top``).
     temperature: the sampling temperature; the model's own logit conventions (logit scale,
         final-logit softcap: `gear.modeling.LogitConventions`) come from its config.
 
@@ -48,6 +50,7 @@ class TeacherPassOptions:
         (a row longer than that on its own still gets its own forward); None: no token cap.
     """
 
+    teacher: bool = True
     temperature: float = 1.0
     estimator: str = "full"
     topk: int = 64
@@ -257,11 +260,51 @@ def teacher_signals(
     return result[0]
 
 
+def student_signals(
+    module: nn.Module,
+    student_hidden: Tensor | None,
+    tokens: Tensor,
+    options: TeacherPassOptions,
+    device: torch.device | str,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> dict[str, Tensor]:
+    """The student's entropy and log-probs of the M response `tokens` (M,) from its (M, H)
+    final hidden states (None when M = 0), no teacher: `signals_from_hidden(student, None, ...)`
+    run just before the LM head of a one-token forward, where FSDP holds the head's full
+    weight; every rank runs that one forward. Returns {"entropy", "student_logprobs"} -> (M,)
+    float32 on CPU."""
+    conventions = LogitConventions.of(module)
+    result: list[TokenSignals] = []
+
+    def signals(weight: Tensor, bias: Tensor | None) -> None:
+        if student_hidden is None or student_hidden.shape[0] == 0:
+            return
+        result.append(
+            signals_from_hidden(
+                student_hidden.to(weight.dtype)[None],
+                None,
+                weight,
+                tokens[None],
+                lm_head_bias=bias,
+                estimator=options.estimator,
+                topk=options.topk,
+                chunk_size=options.chunk_size,
+                **conventions.signal_kwargs(options.temperature),
+            )
+        )
+
+    with on_head(module, signals):
+        dummy_forward(module, options.pad_token_id, device, autocast)
+    if not result:
+        return {k: torch.zeros(0) for k in ("entropy", "student_logprobs")}
+    return {k: getattr(result[0], k)[0].float().cpu() for k in ("entropy", "student_logprobs")}
+
+
 def micro_batch_signals(
     module: nn.Module,
     student_hidden: Tensor | None,
     prompts: Sequence[Tensor],
-    teacher_prompts: Sequence[Tensor],
+    teacher_prompts: Sequence[Tensor] | None,
     responses: Sequence[Tensor],
     options: TeacherPassOptions,
     remove_padding: bool,
@@ -275,26 +318,26 @@ def micro_batch_signals(
         module: the model (root module: FSDP's hooks fire).
         student_hidden: (M, H) student final hidden states predicting the M = Σ R_i response
             tokens (row-major), captured from verl's forward; None: one student forward here.
-        prompts / teacher_prompts / responses: per row, 1-D ids.
+        prompts / teacher_prompts / responses: per row, 1-D ids. teacher_prompts None: no
+            teacher forward; the student's entropy and log-probs only (`student_signals`).
         options: see `TeacherPassOptions`.
         remove_padding: verl's ``use_remove_padding`` (packed forwards) or right padding.
         autocast: the context verl's forward runs under (mixed precision).
         sync: n -> the number of teacher forwards to run, >= n (the largest n over the
             data-parallel ranks); the extra forwards are one-token dummies.
     Returns:
-        {"kl", "entropy", "student_logprobs", "teacher_logprobs"} -> list of (R_i,) tensors.
+        {"kl", "entropy", "student_logprobs", "teacher_logprobs"} -> list of (R_i,) tensors;
+        {"entropy", "student_logprobs"} without teacher prompts.
     """
     n = len(responses)
-    if not len(prompts) == len(teacher_prompts) == n:
+    n_teacher = n if teacher_prompts is None else len(teacher_prompts)
+    if not len(prompts) == n_teacher == n:
         raise ValueError(
             f"teacher pass: expected as many prompts, teacher prompts and responses, got "
-            f"{len(prompts)}, {len(teacher_prompts)}, {n}"
+            f"{len(prompts)}, {n_teacher}, {n}"
         )
     r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
     offsets = torch.cumsum(r_len, 0) - r_len
-    teacher_seqs = [
-        torch.cat([tp.long(), r.long()]) for tp, r in zip(teacher_prompts, responses, strict=True)
-    ]
     if student_hidden is None:
         if n:
             student_seqs = [
@@ -310,6 +353,16 @@ def micro_batch_signals(
             f"student_hidden: expected {int(r_len.sum())} rows (one per response token), got "
             f"{tuple(student_hidden.shape)}"
         )
+    if teacher_prompts is None:
+        tokens = torch.cat([r.long() for r in responses]) if n else torch.zeros(0, dtype=torch.long)
+        sig = student_signals(module, student_hidden, tokens.to(device), options, device, autocast)
+        return {
+            key: [piece.clone() for piece in values.split(r_len.tolist())]
+            for key, values in sig.items()
+        }
+    teacher_seqs = [
+        torch.cat([tp.long(), r.long()]) for tp, r in zip(teacher_prompts, responses, strict=True)
+    ]
     parts = groups(
         [s.numel() for s in teacher_seqs], options.micro_batch_size, options.max_token_len
     )

@@ -141,9 +141,12 @@ class GearPPOTrainer(PPOTrainerSync):
     # --------------------------------------------------------------------- teacher pass
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        if not self.gear_settings.needs_teacher:
+        if not self.gear_settings.needs_signals:
             return super()._compute_old_log_prob(batch, metrics)
-        options = self._put_teacher_prompts(batch, metrics)
+        teacher = self.gear_settings.needs_teacher  # entropy_top: the student's signals alone
+        if teacher:
+            self._put_teacher_prompts(batch, metrics)
+        options = self._gear_pass_options(teacher)
         t0 = time.perf_counter()
         rollout_corr = self.config.algorithm.get("rollout_correction", None)
         if rollout_corr and rollout_corr.get("bypass_mode", False):
@@ -151,7 +154,7 @@ class GearPPOTrainer(PPOTrainerSync):
             batch = super()._compute_old_log_prob(batch, metrics)
             meta = dataclasses.replace(
                 batch,
-                fields=list(GEAR_INPUT_FIELDS),
+                fields=[f for f in GEAR_INPUT_FIELDS if teacher or f != TEACHER_PROMPTS_FIELD],
                 extra_info={**(batch.extra_info or {}), **options},
             )
             self.actor_rollout_wg.compute_gear_signals(meta)
@@ -255,10 +258,9 @@ class GearPPOTrainer(PPOTrainerSync):
                 f"fields present: {present}"
             ) from e
 
-    def _put_teacher_prompts(self, batch: Any, metrics: dict) -> dict[str, Any]:
-        """Build each row's teacher prompt (here, in the task runner), put it into the batch as
-        ``gear_teacher_prompts`` (and whether it has a hint as ``gear_has_hint``), and return the
-        worker's teacher-pass options."""
+    def _put_teacher_prompts(self, batch: Any, metrics: dict) -> None:
+        """Build each row's teacher prompt (here, in the task runner) and put it into the batch
+        as ``gear_teacher_prompts`` (and whether it has a hint as ``gear_has_hint``)."""
         g = self.gear_settings.gear
         t0 = time.perf_counter()
         data = self._fetch(batch, self._gear_row_fields())
@@ -297,8 +299,15 @@ class GearPPOTrainer(PPOTrainerSync):
                 "timing_s/gear_teacher_prompts": time.perf_counter() - t0,
             }
         )
+
+    def _gear_pass_options(self, teacher: bool) -> dict[str, Any]:
+        """The worker's signal-pass options (`worker.OPTION_KEYS`); `teacher`: whether the rows
+        carry teacher prompts and a teacher forward runs."""
+        g = self.gear_settings.gear
+        tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return {
+            "gear_teacher": teacher,
             "gear_temperature": float(self.config.actor_rollout_ref.rollout.temperature),
             "gear_estimator": g.kl_estimator,
             "gear_topk": g.kl_topk,
@@ -316,11 +325,17 @@ class GearPPOTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(
             keys=batch.keys,
             partition_id=batch.partition_id,
-            select_fields=["response_mask", *needed, *([HAS_HINT_FIELD] if needed else [])],
+            select_fields=[
+                "response_mask",
+                *needed,
+                *([HAS_HINT_FIELD] if s.needs_teacher else []),
+            ],
         )
         padded = data.to_padded_tensor()  # the same padding verl applies to the batch it builds
         signals = {name: padded[SIGNAL_FIELDS[name]].float() for name in required}
-        if needed:  # spec §4: a real row without a hint has no teacher -> weight 1, counted
+        if (
+            s.needs_teacher
+        ):  # spec §4: a real row without a hint has no teacher -> weight 1, counted
             padding = torch.tensor(
                 [bool(t.get("is_padding", False)) for t in batch.tags or [{}] * len(batch.keys)]
             )

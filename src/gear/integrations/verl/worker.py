@@ -13,6 +13,10 @@ on every data-parallel rank) with GEAR's step hooked into each micro-batch:
 - ``compute_gear_signals``: where verl runs no old-log-prob forward (rollout correction's bypass
   mode), one student forward of ours per micro-batch, then the teacher forward.
 
+A method that reads no teacher signal (``gear_entropy_top``) sends ``gear_teacher=False`` and no
+teacher prompts: no teacher forward runs, and only ``gear_entropy`` and ``gear_student_logprobs``
+are written.
+
 Either way the signals come from final hidden states and the LM head, a chunk of logits at a time
 (`gear.integrations.verl.teacher_pass`), and land in the batch as ``gear_kl``, ``gear_entropy``,
 ``gear_student_logprobs``, ``gear_teacher_logprobs`` (jagged float32 over each response).
@@ -43,6 +47,7 @@ from gear.integrations.verl.teacher_pass import (
 
 #: batch key (non-tensor) -> TeacherPassOptions field
 OPTION_KEYS = {
+    "teacher": "gear_teacher",
     "temperature": "gear_temperature",
     "estimator": "gear_estimator",
     "topk": "gear_topk",
@@ -50,7 +55,8 @@ OPTION_KEYS = {
     "micro_batch_size": "gear_micro_batch_size",
     "pad_token_id": "gear_pad_token_id",
 }
-INPUT_FIELDS = ("input_ids", "prompts", "responses", "gear_teacher_prompts")
+INPUT_FIELDS = ("input_ids", "prompts", "responses")
+TEACHER_FIELD = "gear_teacher_prompts"  # with options.teacher only
 
 
 def _get(data: Any, key: str, default: Any = None) -> Any:
@@ -64,6 +70,7 @@ def options_from(data: Any, max_token_len: int | None = None) -> TeacherPassOpti
     defaults = TeacherPassOptions()
     values = {name: _get(data, key, getattr(defaults, name)) for name, key in OPTION_KEYS.items()}
     return TeacherPassOptions(
+        teacher=bool(values["teacher"]),
         temperature=float(values["temperature"]),
         estimator=str(values["estimator"]),
         topk=int(values["topk"]),
@@ -74,8 +81,8 @@ def options_from(data: Any, max_token_len: int | None = None) -> TeacherPassOpti
     )
 
 
-def _check_inputs(data: Any) -> None:
-    missing = [k for k in INPUT_FIELDS if k not in data]
+def _check_inputs(data: Any, teacher: bool) -> None:
+    missing = [k for k in (*INPUT_FIELDS, *([TEACHER_FIELD] if teacher else [])) if k not in data]
     if missing:
         raise KeyError(
             f"GEAR teacher pass: the batch lacks {missing}; fields present: {sorted(data.keys())}"
@@ -134,7 +141,7 @@ def gear_micro_batches(
         )
         ids = micro_batch["input_ids"]
         seqs, responses = _rows(ids), _rows(micro_batch["responses"])
-        teacher_prompts = _rows(micro_batch["gear_teacher_prompts"])
+        teacher_prompts = _rows(micro_batch[TEACHER_FIELD]) if options.teacher else None
         r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
         prompts = [s[: s.numel() - r.numel()] for s, r in zip(seqs, responses, strict=True)]
         if student_from_verl:
@@ -170,8 +177,8 @@ def gear_micro_batches(
             sync=sync,
         )
         if responses:
-            for name, key in SIGNAL_FIELDS.items():
-                output["model_output"][key] = nested(signals[name])
+            for name, values in signals.items():  # without a teacher: entropy, log-probs
+                output["model_output"][SIGNAL_FIELDS[name]] = nested(values)
         return loss, output
 
     engine.forward_step = forward_step  # an instance attribute shadows the class's method
@@ -183,9 +190,9 @@ def gear_micro_batches(
 
 def gear_infer(training_worker: Any, data: Any, student_from_verl: bool) -> Any:
     """verl's `TrainingWorker.infer_batch` with GEAR's step in every micro-batch."""
-    _check_inputs(data)
     engine = training_worker.engine
     options = options_from(data, _max_tokens_of(training_worker, data))
+    _check_inputs(data, options.teacher)
     with gear_micro_batches(engine, options, student_from_verl):
         return training_worker.infer_batch(data)
 
@@ -225,4 +232,4 @@ class GearActorRolloutRefWorker(ActorRolloutRefWorker):
         output = gear_infer(self.actor, data, student_from_verl=False)
         if output is None:
             return None
-        return output.select(*SIGNAL_FIELDS.values()).cpu()
+        return output.select(*(k for k in SIGNAL_FIELDS.values() if k in output)).cpu()
