@@ -164,3 +164,29 @@ def test_the_json_has_the_documented_fields(micro):
     assert data["localisation"]["arms"]["oracle"]["real"]["hit_step"] == pytest.approx(1.0)
     assert (root / "plots" / "gym_curves.png").is_file()
     assert (root / "plots" / "gym_paired.png").is_file()
+
+
+def test_gear_gym_command_passes_its_options_and_refuses_bad_counts(monkeypatch):
+    """`gear gym` hands its options to gear.gym.run (stubbed here) and checks counts first."""
+    from typer.testing import CliRunner
+
+    import gear.gym
+    from gear.cli import app
+
+    seen = {}
+
+    def fake_run(methods, **kw):
+        seen.update(methods=methods, **kw)
+        return {}
+
+    monkeypatch.setattr(gear.gym, "run", fake_run)
+    monkeypatch.setattr(gear.gym, "table", lambda result: "TABLE")
+    res = CliRunner().invoke(
+        app, ["gym", "--methods", "grpo", "--methods", "mymod:m", "--seeds", "4", "--quick"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "TABLE" in res.output
+    assert seen["methods"] == ["grpo", "mymod:m"] and seen["seeds"] == 4 and seen["quick"]
+    seen.clear()
+    res = CliRunner().invoke(app, ["gym", "--seeds", "0"])
+    assert res.exit_code != 0 and "--seeds" in res.output and not seen

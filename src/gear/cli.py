@@ -360,6 +360,46 @@ def inspect(
 
 
 @app.command()
+def gym(
+    methods: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--methods",
+            help="Arm, repeatable: a registered credit method, 'module:method' (the module is "
+            "imported first, so a method you register there runs), or 'method@key=value,...'. "
+            "Default: the gym's 8 arms.",
+        ),
+    ] = None,
+    seeds: Annotated[int, typer.Option(help="Seeds per arm (paired by seed).")] = 20,
+    steps: Annotated[int, typer.Option(help="RL steps per run.")] = 60,
+    length: Annotated[int, typer.Option(help="Chain length (steps per problem).")] = 4,
+    sweep: Annotated[
+        list[float] | None, typer.Option("--sweep", help="tau_onset values for gear (repeatable).")
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Worker processes, one thread each.")] = 1,
+    quick: Annotated[bool, typer.Option(help="3 seeds x 20 steps: a smoke test.")] = False,
+    out: Annotated[Path, typer.Option(help="Result JSON.")] = Path("gym.json"),
+    plots: Annotated[Path, typer.Option(help="Directory for the plots.")] = Path("gym_plots"),
+) -> None:
+    """Test credit methods in the credit gym before spending GPU hours (docs/gym.md)."""
+    import gear.gym
+
+    for name, value in (
+        ("seeds", seeds),
+        ("steps", steps),
+        ("length", length),
+        ("workers", workers),
+    ):
+        if value < 1:
+            _fail(f"--{name}: expected an integer >= 1, got {value}")
+    result = gear.gym.run(
+        methods or None, seeds=seeds, steps=steps, length=length, quick=quick,
+        sweep=sweep or (), workers=workers, out=out, plot_dir=plots,
+    )  # fmt: skip
+    console.print(gear.gym.table(result))
+
+
+@app.command()
 def compare(
     methods: Annotated[
         list[str], typer.Option(help="Credit methods to compare (repeat the option).")

@@ -117,8 +117,9 @@ class GEARConfig(GRPOConfig):
     ground_truth_column: str = field(
         default="ground_truth",
         metadata={
-            "help": "Dataset column whose value fills the teacher hint's {ground_truth}; needed "
-            "only by methods that use the teacher (not 'grpo' or 'entropy_top'). A row whose "
+            "help": "Dataset column whose value fills the teacher hint's {ground_truth} (with "
+            "environment_factory: the environment's attribute of this name, set by reset()); "
+            "needed only by methods that use the teacher (not 'grpo' or 'entropy_top'). A row whose "
             "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
         },
     )
