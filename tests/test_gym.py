@@ -142,7 +142,12 @@ def micro(tmp_path_factory):
         )
     finally:
         sys.path.remove(str(root))
-    return root, result
+    yield root, result
+    # the user's method must not outlive this module's tests: other tests read the registry
+    from gear.credit.methods import METHODS
+
+    METHODS.pop("gym_test_last_step", None)
+    sys.modules.pop("gym_user_methods", None)
 
 
 def test_a_user_registered_method_runs_through_the_gym(micro):
