@@ -25,6 +25,7 @@ positive control: the batch prompts' reference solutions, teacher-forced; must g
 Stages (resumable: one file per batch under `--cache`, skipped when present):
 
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/update_gain.py collect --batches 100
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/update_gain.py collect --reverse  # 2nd core
     .venv/bin/python benchmarks/update_gain.py metrics     # -> benchmarks/results/update_gain.json
 """
 
@@ -296,7 +297,8 @@ def run_collect(args: argparse.Namespace) -> None:
     meta = {"machine": machine(), "args": vars(args), "J": g["J"], "eval_tokens": g["tokens"]}
     (cache / "meta.json").write_text(json.dumps(meta, indent=1))
     t0, done = time.time(), 0
-    for b in range(args.batches):
+    order = range(args.batches - 1, -1, -1) if args.reverse else range(args.batches)
+    for b in order:  # batches are independent draws: a second worker takes them from the end
         path = cache / f"batch{b:04d}.pt"
         if path.is_file():
             continue
@@ -477,6 +479,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--eval-n", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--reverse", action="store_true", help="collect: a second worker, from the end."
+    )
     ap.add_argument("--cache", default=str(CACHE))
     args = ap.parse_args(argv)
     {"collect": run_collect, "metrics": run_metrics}[args.stage](args)
