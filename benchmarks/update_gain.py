@@ -466,9 +466,28 @@ def run_metrics(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def run_table(args: argparse.Namespace) -> None:
+    """The BENCHMARKS.md tables from results/update_gain.json."""
+    r = json.loads((RESULTS / "update_gain.json").read_text())
+
+    def ci(s: dict[str, Any]) -> str:
+        return f"{s['mean']:+.3f} [{s['ci'][0]:+.3f}, {s['ci'][1]:+.3f}]"
+
+    n = r["batches"]
+    print("| arm | G, mean [95% t-interval] | batches with G > 0 |\n|---|---|---|")
+    for a, s in r["arms"].items():
+        print(f"| `{a}` | {ci(s)} | {s['positive_batches']}/{n} |")
+    print(
+        "\n| paired difference | mean [95% t-interval] | bootstrap | batches > 0 |\n|---|---|---|---|"
+    )
+    for k, s in r["paired"].items():
+        b = s["bootstrap_ci"]
+        print(f"| `{k}` | {ci(s)} | [{b[0]:+.3f}, {b[1]:+.3f}] | {s['positive_batches']}/{n} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("stage", choices=["collect", "metrics"])
+    ap.add_argument("stage", choices=["collect", "metrics", "table"])
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--prompts", type=int, default=8, help="Groups with mixed rewards per batch.")
     ap.add_argument("--samples", type=int, default=8, help="Completions per prompt.")
@@ -484,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--cache", default=str(CACHE))
     args = ap.parse_args(argv)
-    {"collect": run_collect, "metrics": run_metrics}[args.stage](args)
+    {"collect": run_collect, "metrics": run_metrics, "table": run_table}[args.stage](args)
 
 
 if __name__ == "__main__":
