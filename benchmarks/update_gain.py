@@ -294,7 +294,8 @@ def run_collect(args: argparse.Namespace) -> None:
         torch.save(g, gpath.with_suffix(".tmp"))
         gpath.with_suffix(".tmp").replace(gpath)
         log(f"held-out J = {J:.4f} over {n_tok} tokens; gradient saved")
-    meta = {"machine": machine(), "args": vars(args), "J": g["J"], "eval_tokens": g["tokens"]}
+    mach = {**machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    meta = {"machine": mach, "args": vars(args), "J": g["J"], "eval_tokens": g["tokens"]}
     (cache / "meta.json").write_text(json.dumps(meta, indent=1))
     t0, done = time.time(), 0
     order = range(args.batches - 1, -1, -1) if args.reverse else range(args.batches)
