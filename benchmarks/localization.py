@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from onpolicy import EQUATION, evaluate_expression, first_difference
+import onpolicy
+from onpolicy import EQUATION, first_difference
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -129,11 +130,8 @@ def arithmetic_results(solution: str) -> list[tuple[int, int]]:
 
 def first_wrong_equation(text: str) -> tuple[int, int] | None:
     """Span of the stated result of the first equation whose result is arithmetically wrong."""
-    for m in EQUATION.finditer(text):
-        value = evaluate_expression(m.group(1))
-        if value is not None and not math.isclose(value, float(m.group(4)), abs_tol=1e-6):
-            return m.span(4)
-    return None
+    found = onpolicy.first_wrong_equation(text)
+    return None if found is None else found[1].span(4)
 
 
 def wrong_number(correct: str, rng: random.Random) -> str:

@@ -46,6 +46,16 @@ def equation_spans(text: str) -> list[tuple[int, int, int]]:
     return [(m.start(), *m.span(4)) for m in EQUATION.finditer(text)]
 
 
+def first_wrong_equation(text: str) -> tuple[int, re.Match[str], float] | None:
+    """(index, match, right value) of the first equation whose stated result is arithmetically
+    wrong, or None."""
+    for k, m in enumerate(EQUATION.finditer(text)):
+        value = evaluate_expression(m.group(1))
+        if value is not None and not math.isclose(value, float(m.group(4)), abs_tol=1e-6):
+            return k, m, value
+    return None
+
+
 def check_rollout(text: str, answer: str, task: Any) -> dict[str, Any]:
     """Grade one completion and locate its first checked error.
 
@@ -58,25 +68,24 @@ def check_rollout(text: str, answer: str, task: Any) -> dict[str, Any]:
     correct = bool(task.is_correct(text, answer))
     if correct:
         return {"correct": True, "error": None}
-    for k, m in enumerate(EQUATION.finditer(text)):
-        value = evaluate_expression(m.group(1))
-        if value is None or math.isclose(value, float(m.group(4)), abs_tol=1e-6):
-            continue
-        stated = m.group(4)
-        right = str(int(value)) if float(value).is_integer() else f"{value:.6g}"
-        # a stated number that is a prefix of the right one ("12" for "123") is wrong from its
-        # last character on
-        diff = min(first_difference(stated, right), len(stated) - 1)
-        error = {
-            "equation": k,
-            "error_char": m.start(4) + diff,
-            "number_end": m.end(4),
-            "step": (m.start(), m.end(4)),
-            "stated": stated,
-            "right": right,
-        }
-        return {"correct": False, "error": error}
-    return {"correct": False, "error": None}
+    found = first_wrong_equation(text)
+    if found is None:
+        return {"correct": False, "error": None}
+    k, m, value = found
+    stated = m.group(4)
+    right = str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+    # a stated number that is a prefix of the right one ("12" for "123") is wrong from its
+    # last character on
+    diff = min(first_difference(stated, right), len(stated) - 1)
+    error = {
+        "equation": k,
+        "error_char": m.start(4) + diff,
+        "number_end": m.end(4),
+        "step": (m.start(), m.end(4)),
+        "stated": stated,
+        "right": right,
+    }
+    return {"correct": False, "error": error}
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import localization as loc
+import onpolicy
 
 GSM8K_ROW = {
     "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
@@ -72,8 +73,8 @@ def test_step_span_of_an_arithmetic_clause():
 def test_first_wrong_equation_and_expressions():
     assert loc.first_wrong_equation("So 3 + 4 = 7, then 7 * 8 = 54, 54 - 1 = 53.") == (27, 29)
     assert loc.first_wrong_equation("3 + 4 * 2 = 11 and 6 / 3 = 2 and 2 x 3 = 6") is None
-    assert loc.evaluate_expression("5 / 0") is None
-    assert loc.evaluate_expression("__import__('os')") is None
+    assert onpolicy.evaluate_expression("5 / 0") is None
+    assert onpolicy.evaluate_expression("__import__('os')") is None
 
 
 def test_error_token_span_on_the_byte_tokenizer():
@@ -219,3 +220,19 @@ def test_placebo_marks_the_same_equation_index_on_correct_rows_of_the_same_promp
     (w_real,) = loc.natural_weights([nat["p0"][0]], "oracle", "full", 0)
     assert int(w_real.argmax()) in range(3, 6) and w_real.max() > 1
     assert torch.allclose(loc.natural_weights(plc, "oracle", "full", 0)[0], torch.ones(9).double())
+
+
+def test_check_rollout_finds_the_first_wrong_equation_of_a_failed_rollout():
+    from gear.tasks import get_task
+    from onpolicy import check_rollout, equation_spans
+
+    task = get_task("arithmetic")
+    text = "12 + 5 = 17, then 17 - 3 = 15, then 15 + 2 = 17. Answer: 17"
+    res = check_rollout(text, "16", task)
+    e = res["error"]
+    assert not res["correct"] and e["equation"] == 1 and (e["stated"], e["right"]) == ("15", "14")
+    assert (
+        text[e["error_char"] : e["number_end"]] == "5" and e["step"] == equation_spans(text)[1][::2]
+    )
+    assert check_rollout("12 + 5 = 17. Answer: 17", "17", task) == {"correct": True, "error": None}
+    assert check_rollout("Answer: 3", "17", task) == {"correct": False, "error": None}
