@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gear.gym import run
-from gear.gym.model import ModelConfig, WarmStart, build_model
+from gear.gym.model import ModelConfig, WarmStart, build_model, sample
 from gear.gym.task import STEP_LEN, ChainTask
 from gear.gym.train import RLConfig, credit, parse_arm, rl_step
 
@@ -95,6 +95,26 @@ def test_one_rl_step_changes_the_parameters():
             break
     assert out["updated"] == 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@torch.no_grad()
+def plain_sample(model, prompts, length, generator):
+    """Re-run the whole prefix for every token: the sampler without a KV cache."""
+    ids = prompts
+    for _ in range(length):
+        probs = torch.softmax(model(input_ids=ids, use_cache=False).logits[:, -1].float(), -1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return ids[:, prompts.shape[1] :]
+
+
+def test_cached_sampling_draws_the_tokens_of_the_plain_sampler():
+    task = ChainTask(3)
+    model = build_model(ModelConfig(hidden=32, layers=2, heads=2), task).eval()
+    prompts = task.prompts(task.problems(32, torch.Generator().manual_seed(0)))
+    cached = sample(model, prompts, task.completion_len, torch.Generator().manual_seed(1))
+    plain = plain_sample(model, prompts, task.completion_len, torch.Generator().manual_seed(1))
+    assert cached.shape == (32, task.completion_len)
+    assert torch.equal(cached, plain)
 
 
 def test_arm_specs_are_checked():
