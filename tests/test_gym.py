@@ -170,6 +170,29 @@ def micro(tmp_path_factory):
     sys.modules.pop("gym_user_methods", None)
 
 
+def test_a_stopped_grid_resumes_with_the_same_numbers(micro):
+    """Each finished (arm, seed) run is kept: a second run reads them back, recomputes only
+    the missing one (as if the grid had been stopped there) and gets identical results."""
+    root, first = micro
+    saved = sorted((root / "cache" / "runs").glob("*.json"))
+    assert len(saved) == 3 * 2  # three arms x two seeds
+    kept = {p.name for p in saved}
+    # which file holds grpo seed 1: the one whose content says so
+    victim = next(
+        p for p in saved if json.loads(p.read_text())["arm"] == "grpo"
+        and json.loads(p.read_text())["seed"] == 1
+    )  # fmt: skip
+    victim.unlink()
+    again = run(
+        ["grpo", "oracle"], seeds=2, steps=2, length=3, rl=MICRO_RL, model_cfg=TINY,
+        warm=MICRO_WARM, loc_prompts=4, cache=root / "cache", log=lambda _: None,
+    )  # fmt: skip
+    assert sorted(again["reused_runs"]) == ["grpo/seed0", "oracle/seed0", "oracle/seed1"]
+    assert {p.name for p in (root / "cache" / "runs").glob("*.json")} == kept
+    for arm in ("grpo", "oracle"):
+        assert again["arms"][arm]["per_seed"] == first["arms"][arm]["per_seed"]
+
+
 def test_a_user_registered_method_runs_through_the_gym(micro):
     _, result = micro
     arm = result["arms"]["gym_user_methods:gym_test_last_step"]

@@ -46,9 +46,13 @@ def steps_to(run: dict[str, Any], threshold: float, metric: str) -> int | None:
 
 
 def summarise(
-    runs: list[dict[str, Any]], threshold: float, metric: str = "accuracy"
+    runs: list[dict[str, Any]], threshold: float, metric: str = "exact"
 ) -> dict[str, Any]:
-    """`arms` and `paired` of the result JSON from the per-(arm, seed) runs."""
+    """`arms` and `paired` of the result JSON from the per-(arm, seed) runs.
+
+    `metric` is the primary one (`exact`: the probability of the right solution, no sampling
+    noise); the other (`accuracy`, one sample per problem) is reported beside it."""
+    other = "accuracy" if metric == "exact" else "exact"
     by_arm: dict[str, dict[int, dict[str, Any]]] = {}
     for r in runs:
         by_arm.setdefault(r["arm"], {})[r["seed"]] = r
@@ -60,14 +64,14 @@ def summarise(
         curve = []
         for i, step in enumerate(steps):
             ci = t_interval([per_seed[s]["curve"][i][metric] for s in seeds])
-            ex = t_interval([per_seed[s]["curve"][i]["exact"] for s in seeds])
-            curve.append({"step": step, "mean": ci["mean"], "ci": ci["ci"], "exact": ex["mean"]})
+            ot = t_interval([per_seed[s]["curve"][i][other] for s in seeds])
+            curve.append({"step": step, "mean": ci["mean"], "ci": ci["ci"], other: ot["mean"]})
         reached = [steps_to(per_seed[s], threshold, metric) for s in seeds]
         final = t_interval(finals)
         arms[name] = {
             "final": final["mean"],
             "final_ci": final["ci"],
-            "final_exact": t_interval([_final(per_seed[s], "exact") for s in seeds])["mean"],
+            f"final_{other}": t_interval([_final(per_seed[s], other) for s in seeds])["mean"],
             "per_seed": finals,
             "curve": curve,
             "steps_to_threshold": {
@@ -84,17 +88,25 @@ def summarise(
     for a, b in dict.fromkeys(pairs):
         common = sorted(set(by_arm[a]) & set(by_arm[b]))
         diff = [_final(by_arm[a][s], metric) - _final(by_arm[b][s], metric) for s in common]
-        exact = [_final(by_arm[a][s], "exact") - _final(by_arm[b][s], "exact") for s in common]
+        sec = [_final(by_arm[a][s], other) - _final(by_arm[b][s], other) for s in common]
         d = t_interval(diff)
-        e = t_interval(exact)
+        e = t_interval(sec)
         paired[f"{a}-{b}"] = {
             "mean": d["mean"],
             "ci": d["ci"],
             "n": d["n"],
+            "sd": _sd(diff),
             "wins": sum(x > 0 for x in diff),
-            "exact": {"mean": e["mean"], "ci": e["ci"]},
+            other: {"mean": e["mean"], "ci": e["ci"]},
         }
     return {"arms": arms, "paired": paired}
+
+
+def _sd(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return math.nan
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def _median(xs: list[int]) -> float | None:
@@ -114,7 +126,9 @@ def localisation(
     Samples `prompts` x `group` rollouts; failed ones are scored with A = -1, and for each arm
     `hit_step` is the share of the largest weight that falls in the checker's first wrong step
     (ties split evenly, so uniform weights score 1 / length), `hit_token` the same for the first
-    wrong token, `mass_lift` the mean weight in that step over the row's mean weight. Placebo:
+    wrong token, `hit_step_or_next` the same for the step or the token after it (the next
+    step's first token, where a full-vocabulary KL first sees the step's last digit),
+    `mass_lift` the mean weight in that step over the row's mean weight. Placebo:
     the correct rollouts, also scored with A = -1, with a random step (seeded) called wrong.
     """
     gen = torch.Generator().manual_seed(30_000 + seed)
@@ -147,9 +161,13 @@ def localisation(
             w = -credit(arm, task, p, c, adv, s_logits[rows], t_logits[rows], seed=seed)
             top = w >= w.max(dim=1, keepdim=True).values - 1e-9
             in_step = task.step_mask(st)
-            on_tok = torch.arange(task.completion_len)[None, :] == tk[:, None]
+            pos = torch.arange(task.completion_len)[None, :]
+            on_tok = pos == tk[:, None]
+            # a full-vocabulary KL first sees token t at t + 1: count the token after the step
+            after = in_step | (pos == (st[:, None] + 1) * STEP_LEN)
             res[label] = {
                 "hit_step": float(((top & in_step).sum(1) / top.sum(1)).mean()),
+                "hit_step_or_next": float(((top & after).sum(1) / top.sum(1)).mean()),
                 "hit_token": float(((top & on_tok).sum(1) / top.sum(1)).mean()),
                 "mass_lift": float(((w * in_step).sum(1) / STEP_LEN / w.mean(1)).mean()),
             }
@@ -178,7 +196,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
         if not any(math.isnan(x) for x in lo):
             ax.fill_between(steps, lo, hi, alpha=0.12)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out accuracy (sampled)")
+    ax.set_ylabel(f"held-out {result.get('metric_name', 'exact')} accuracy")
     ax.set_title(
         f"credit gym: chain length {result['task']['length']}, {len(result['seeds'])} seeds"
     )
@@ -204,7 +222,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.axvline(0, color="grey", lw=1)
     ax.set_yticks(range(len(pairs)), [p[0] for p in pairs])
     ax.invert_yaxis()
-    ax.set_xlabel("paired difference in final accuracy (95% t-interval)")
+    ax.set_xlabel("paired difference in final held-out accuracy (95% t-interval)")
     fig.tight_layout()
     paths.append(out_dir / "gym_paired.png")
     fig.savefig(paths[-1], dpi=120)
