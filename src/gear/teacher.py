@@ -22,6 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gear.constraints import Check
+
+PLACEHOLDER = "{ground_truth}"
 HINT_TEMPLATES = {
     "math": (
         "Here is a reference solution:\n{ground_truth}\n\n"
@@ -32,6 +35,11 @@ HINT_TEMPLATES = {
 HINT_KINDS = ("auto", "math", "tool")  # auto: "tool" when the rollout shows tools, else "math"
 TEACHERS = ("current", "frozen", "ema")
 TEXT_HINT_POSITIONS = ("before", "after")
+#: what a hint template is; checked by every config (gear.settings) and by `hint_text`
+HINT_TEMPLATE = Check(
+    test=lambda t: isinstance(t, str) and PLACEHOLDER in t,
+    expect=f"a template with a '{PLACEHOLDER}' placeholder",
+)
 ELLIPSIS = " [...] "
 
 Prompt = str | list[dict[str, Any]]
@@ -74,11 +82,9 @@ def ground_truth_text(value: Any) -> str | None:
 
 def hint_text(ground_truth: str, template: str) -> str:
     """The hint for one row: `template` with `{ground_truth}` filled in."""
-    if "{ground_truth}" not in template:
-        raise ValueError(
-            f"hint template: expected a '{{ground_truth}}' placeholder, got {template!r}"
-        )
-    return template.replace("{ground_truth}", str(ground_truth))
+    if not HINT_TEMPLATE.ok(template):
+        raise ValueError(f"hint template: got {template!r}, expected {HINT_TEMPLATE.describe()}")
+    return template.replace(PLACEHOLDER, str(ground_truth))
 
 
 def teacher_prompt(

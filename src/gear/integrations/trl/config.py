@@ -8,10 +8,10 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from gear.constraints import Check, check_field, field_checks
+from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import CreditParams
-from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
-from gear.teacher import HINT_KINDS, HINT_TEMPLATES, TEACHERS, TEXT_HINT_POSITIONS
+from gear.settings import setting
+from gear.teacher import HINT_KINDS, TEACHERS, TEXT_HINT_POSITIONS
 
 LOSS_MODES = ("rl", "self_distill")
 # TRL's loss formulations (GRPOConfig.loss_type's help; GRPOTrainer raises on any other, but only
@@ -55,16 +55,6 @@ TRL_FIELD_CHECKS: dict[str, Check] = {
 _CREDIT_FIELDS = {f.name: f for f in dataclasses.fields(CreditParams)}
 
 
-_TEMPLATE = Check(
-    test=lambda t: isinstance(t, str) and "{ground_truth}" in t,
-    expect="a template with a '{ground_truth}' placeholder",
-)
-
-
-def _checked(default: Any, help: str, check: Check) -> Any:
-    return field(default=default, metadata={"help": help, "check": check})
-
-
 def _credit_field(name: str) -> Any:
     """A config field mirroring `CreditParams.<name>`: same default, same help."""
     f = _CREDIT_FIELDS[name]
@@ -79,7 +69,9 @@ class GEARConfig(GRPOConfig):
 
     The credit method's hyper-parameters are `CreditParams` fields with a `credit_` prefix
     (`credit_method`, `credit_tau_onset`, ...), since several names (`beta`, `seed`) already mean
-    something else in `GRPOConfig`. `credit_params` returns them as a `CreditParams`.
+    something else in `GRPOConfig`. `credit_params` returns them as a `CreditParams`. The teacher,
+    hint, KL estimator, chunking and credit-record fields are `gear.settings.GEARSettings`, which
+    verl's `gear:` section shares.
     """
 
     # Credit (spec §2-3)
@@ -106,14 +98,9 @@ class GEARConfig(GRPOConfig):
         },
     )
 
-    # Teacher (spec §4)
-    teacher: str = _checked(
-        "current",
-        "'current': the policy's weights; 'frozen': the initial weights (or `teacher_model`); "
-        "'ema': an exponential moving average of the policy, updated after each optimizer step.",
-        Check(choices=TEACHERS),
-    )
-    ema_decay: float = _checked(0.99, "Decay of the 'ema' teacher, in [0, 1).", Check(ge=0, lt=1))
+    # Teacher (spec §4); the settings verl shares are declared in gear.settings
+    teacher: str = setting("teacher")
+    ema_decay: float = checked(0.99, "Decay of the 'ema' teacher, in [0, 1).", Check(ge=0, lt=1))
     ground_truth_column: str = field(
         default="ground_truth",
         metadata={
@@ -123,37 +110,21 @@ class GEARConfig(GRPOConfig):
             "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
         },
     )
-    hint_kind: str = _checked(
-        "auto",
-        "Which hint template the teacher gets: 'math', 'tool', or 'auto' ('tool' when the "
-        "trainer has tools or an environment, else 'math').",
-        Check(choices=HINT_KINDS),
-    )
-    math_hint_template: str = _checked(
-        HINT_TEMPLATES["math"], "Teacher hint for math; holds {ground_truth}.", _TEMPLATE
-    )
-    tool_hint_template: str = _checked(
-        HINT_TEMPLATES["tool"], "Teacher hint for tool use; holds {ground_truth}.", _TEMPLATE
-    )
-    text_hint_position: str = _checked(
+    hint_kind: str = setting("hint_kind")
+    math_hint_template: str = setting("math_hint_template")
+    tool_hint_template: str = setting("tool_hint_template")
+    text_hint_position: str = checked(
         "before",
         "Where a plain-text (non-chat) prompt gets the hint: 'before' the prompt, so "
         "the prompt still ends as the student's did and the completion continues it, or "
         "'after' it. Chat prompts get it at the end of the last user message.",
         Check(choices=TEXT_HINT_POSITIONS),
     )
-    teacher_max_prompt_length: int | None = _checked(
-        None,
-        "Token budget of a teacher prompt; longer ones lose the middle of the ground truth "
-        "(counted as gear/teacher_prompts_truncated). None: no limit.",
-        Check(ge=1, also=(None,)),
-    )
+    teacher_max_prompt_length: int | None = setting("teacher_max_prompt_length")
 
     # Signals
-    kl_estimator: str = _checked(
-        "full", "KL estimator: 'full' (exact), 'topk', 'k1' or 'k3'.", Check(choices=ESTIMATORS)
-    )
-    kl_topk: int = _checked(64, "k of the 'topk' KL estimator.", Check(ge=1))
+    kl_estimator: str = setting("kl_estimator")
+    kl_topk: int = setting("kl_topk")
     student_hidden_from_generation: bool = field(
         default=True,
         metadata={
@@ -173,23 +144,14 @@ class GEARConfig(GRPOConfig):
             "of the cost. Models whose cache cannot be shared run the plain forward (one warning)."
         },
     )
-    signal_chunk_size: int = _checked(
-        DEFAULT_CHUNK,
-        "Tokens per chunk when forming logits for the signals and the self-distill loss.",
-        Check(ge=1),
-    )
+    signal_chunk_size: int = setting("signal_chunk_size")
 
     # Logging
-    credit_log_steps: int = _checked(
-        50,
-        "Write a credit record (output_dir/credit/step_XXXXXX.jsonl) every this many "
-        "steps; 0: never.",
-        Check(ge=0),
-    )
-    credit_log_rows: int = _checked(4, "Rows per credit record.", Check(ge=0))
+    credit_log_steps: int = setting("credit_log_steps")
+    credit_log_rows: int = setting("credit_log_rows")
 
     # Loss
-    loss_mode: str = _checked(
+    loss_mode: str = checked(
         "rl",
         "'rl': TRL's loss (any loss_type) with GEAR's token advantages; 'self_distill': "
         "per-token reverse KL(student || detached teacher), no reward (OPSD baseline).",
@@ -198,8 +160,7 @@ class GEARConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         # values first: TRL's own __post_init__ divides by num_generations, and checks no bounds
-        for name, check in config_checks().items():
-            check_field("GEARConfig", name, getattr(self, name), check)
+        check_fields("GEARConfig", self, config_checks())
         super().__post_init__()
         self.credit_params  # noqa: B018  (validates every credit_* field)
 

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import METHODS, CreditParams
-from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS, TEACHER_SIGNALS
-from gear.teacher import HINT_KINDS, HINT_TEMPLATES
+from gear.credit.signals import TEACHER_SIGNALS
+from gear.settings import setting
 
 #: verl estimator name -> gear.credit method, one per registered method: the method's own name
 #: where it starts with "gear", else "gear_" + name (no bare "grpo": verl has its own).
@@ -41,36 +42,59 @@ class GearConfigError(ValueError):
 
 @dataclass(frozen=True)
 class GearVerlConfig:
-    """The `gear:` section of a verl config. Defaults follow docs/spec §1-4."""
+    """The `gear:` section of a verl config. Defaults follow docs/spec §1-4; the settings TRL
+    shares are `gear.settings.GEARSettings`. Made with a value that its check refuses: a
+    `GearConfigError` naming `gear.<key>`."""
 
-    credit: dict[str, Any] = field(default_factory=dict)
-    """CreditParams fields except `method` (which comes from algorithm.adv_estimator)."""
-    ground_truth_field: str = "reward_model.ground_truth"
-    """Dotted path of the row field whose value fills the teacher hint's {ground_truth}."""
-    hint_kind: str = "auto"
-    """'math', 'tool', or 'auto' ('tool' for rows run by verl's tool agent loop)."""
-    math_hint_template: str = HINT_TEMPLATES["math"]
-    tool_hint_template: str = HINT_TEMPLATES["tool"]
-    teacher_max_prompt_length: int | None = None
-    """Token budget of a teacher prompt (longer: the ground truth's middle is cut); None: no limit."""
-    teacher: str = "current"
-    """Teacher weights: 'current' (the policy being trained). frozen/ema are TRL-only for now."""
-    kl_estimator: str = "full"
-    kl_topk: int = 64
-    signal_chunk_size: int = DEFAULT_CHUNK
-    """Tokens per chunk of logits formed from the final hidden states (bounds the temporaries:
-    three (signal_chunk_size, V) float32 tensors)."""
-    teacher_micro_batch_size_per_gpu: int = 4
-    """At most this many rows per teacher forward: verl's old-log-prob micro-batches (its
-    log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz's token budget, which the teacher
-    forwards also honour) are split further when larger."""
-    grpo_epsilon: float = 1e-4
-    """GRPO: (r - mean) / (std + epsilon) (spec §1); algorithm.norm_adv_by_std_in_grpo applies."""
-    credit_log_steps: int = 0
-    """Write RUN_DIR/credit/step_XXXXXX.jsonl every this many steps (0: never)."""
-    credit_log_rows: int = 4
-    credit_log_dir: str | None = None
-    """Run directory of the credit records; None: trainer.default_local_dir."""
+    credit: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"help": "CreditParams fields except `method` (algorithm.adv_estimator)."},
+    )
+    ground_truth_field: str = checked(
+        "reward_model.ground_truth",
+        "Dotted path of the row field whose value fills the teacher hint's {ground_truth}.",
+        Check(
+            test=lambda p: isinstance(p, str) and bool(p.strip(".")),
+            expect="a dotted field path such as 'reward_model.ground_truth'",
+        ),
+    )
+    hint_kind: str = setting("hint_kind")
+    math_hint_template: str = setting("math_hint_template")
+    tool_hint_template: str = setting("tool_hint_template")
+    teacher_max_prompt_length: int | None = setting("teacher_max_prompt_length")
+    teacher: str = setting(
+        "teacher",
+        check=Check(
+            choices=TEACHERS,
+            expect=f"one of {', '.join(map(repr, TEACHERS))} (the frozen and ema teachers exist "
+            "in the TRL integration only)",
+        ),
+    )
+    kl_estimator: str = setting("kl_estimator")
+    kl_topk: int = setting("kl_topk")
+    signal_chunk_size: int = setting("signal_chunk_size")
+    teacher_micro_batch_size_per_gpu: int = checked(
+        4,
+        "At most this many rows per teacher forward: verl's old-log-prob micro-batches (its "
+        "log_prob_micro_batch_size_per_gpu, or use_dynamic_bsz's token budget, which the teacher "
+        "forwards also honour) are split further when larger.",
+        Check(ge=1, integer=True),
+    )
+    grpo_epsilon: float = checked(
+        1e-4,
+        "GRPO: (r - mean) / (std + epsilon) (spec §1); algorithm.norm_adv_by_std_in_grpo applies.",
+        Check(ge=0),
+    )
+    # no records unless asked: they go to verl's checkpoint directory and cost the driver a fetch
+    credit_log_steps: int = setting("credit_log_steps", default=0)
+    credit_log_rows: int = setting("credit_log_rows")
+    credit_log_dir: str | None = field(
+        default=None,
+        metadata={"help": "Run directory of the credit records; None: trainer.default_local_dir."},
+    )
+
+    def __post_init__(self) -> None:
+        check_fields("gear", self, field_checks(GearVerlConfig), GearConfigError)
 
     def credit_params(self, method: str) -> CreditParams:
         return CreditParams(method=method, **self.credit)
@@ -152,40 +176,6 @@ def gear_section(cfg: Any) -> GearVerlConfig:
         )
     values["credit"] = dict(credit)
     return GearVerlConfig(**values)
-
-
-def _check_gear_section(g: GearVerlConfig) -> None:
-    def bad(name: str, expected: str) -> GearConfigError:
-        return GearConfigError(f"gear.{name}: expected {expected}, got {getattr(g, name)!r}")
-
-    if not isinstance(g.ground_truth_field, str) or not g.ground_truth_field.strip("."):
-        raise bad("ground_truth_field", "a dotted field path such as 'reward_model.ground_truth'")
-    if g.hint_kind not in HINT_KINDS:
-        raise bad("hint_kind", f"one of {list(HINT_KINDS)}")
-    for name in ("math_hint_template", "tool_hint_template"):
-        if "{ground_truth}" not in str(getattr(g, name)):
-            raise bad(name, "a template with a '{ground_truth}' placeholder")
-    if g.teacher not in TEACHERS:
-        raise bad(
-            "teacher",
-            f"one of {list(TEACHERS)} (frozen / ema teachers exist in the TRL integration only)",
-        )
-    if g.kl_estimator not in ESTIMATORS:
-        raise bad("kl_estimator", f"one of {list(ESTIMATORS)}")
-    for name in ("kl_topk", "signal_chunk_size", "teacher_micro_batch_size_per_gpu"):
-        value = getattr(g, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise bad(name, "an integer >= 1")
-    if g.teacher_max_prompt_length is not None and (
-        not isinstance(g.teacher_max_prompt_length, int) or g.teacher_max_prompt_length < 1
-    ):
-        raise bad("teacher_max_prompt_length", "null or an integer >= 1")
-    if not (isinstance(g.grpo_epsilon, int | float) and g.grpo_epsilon >= 0):
-        raise bad("grpo_epsilon", "a number >= 0")
-    for name in ("credit_log_steps", "credit_log_rows"):
-        value = getattr(g, name)
-        if not isinstance(value, int) or value < 0:
-            raise bad(name, "an integer >= 0")
 
 
 def _train_files(cfg: Any) -> list[str]:
@@ -280,8 +270,7 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         raise GearConfigError(
             f"actor_rollout_ref.rollout.n: expected >= 2 (GRPO groups rollouts of one prompt), got {n!r}"
         )
-    g = gear_section(cfg)
-    _check_gear_section(g)
+    g = gear_section(cfg)  # checks every value (GearVerlConfig.__post_init__)
     try:
         params = g.credit_params(method)
     except ValueError as e:
