@@ -5,7 +5,8 @@ python benchmarks/learning_study.py run          # train what is missing (resuma
 python benchmarks/learning_study.py aggregate    # JSON + table + figure from the finished runs
 ```
 
-Every run trains SmolLM2-135M-Instruct with `benchmarks/learning_study.yaml`; only the credit
+Every run trains SmolLM2-135M-Instruct with `benchmarks/learning_study.yaml`, through `gear
+train`'s recipe (`gear.run`: the same GEARConfig, model, data and trainer); only the credit
 method and the seed differ. Runs of one seed see the same prompts in the same order and start from
 the same (pretrained) weights. All runs are scored on one fixed held-out set (test split, seed 0),
 greedy pass@1, keeping each problem's correctness, so differences can be bootstrapped over seeds
@@ -225,39 +226,31 @@ def forget_after(run_dir: Path, step: int) -> None:
             path.unlink()
 
 
+def run_config(cfg: dict[str, Any], method: str, seed: int, run_dir: Path) -> Any:
+    """The study's run of `method` and `seed` as a `gear train` config (`gear.run.RunConfig`),
+    every key checked as `gear train` checks it."""
+    from gear.run import resolve_values
+
+    trainer = dict(cfg["trainer"]) | {"credit_method": method}
+    return resolve_values(cfg | {"trainer": trainer, "seed": seed, "output_dir": str(run_dir)})
+
+
 def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namespace) -> Path:
-    """Train (or resume) one run; write its result file; return that file."""
-    import torch
+    """Train (or resume) one run; write its result file; return that file. The trainer is
+    `gear train`'s (gear.run), built from `run_config`."""
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.integrations.trl import GEARConfig, GEARTrainer
-    from gear.models import load_model_and_tokenizer
+    from gear.run import build_trainer, load_model_and_data, trainer_args
     from gear.tasks import get_task
 
     run_dir = args.work / f"{method}-seed{seed}"
-    task = get_task(cfg["task"], **(cfg.get("task_options") or {}))
-    trainer_fields = dict(cfg["trainer"]) | {
-        "output_dir": str(run_dir),
-        "seed": seed,
-        "credit_method": method,
-        "hint_kind": task.hint_kind,
-        "use_cpu": not torch.cuda.is_available(),
-    }
-    targs = GEARConfig(**trainer_fields)  # validates every field before any work
-    torch.manual_seed(seed)
-    model, tokenizer = load_model_and_tokenizer(cfg["model"])
-    tokenizer = task.prepare_tokenizer(tokenizer)
-    train_ds = task.dataset("train", n=cfg.get("train_size"), seed=seed)
+    run = run_config(cfg, method, seed, run_dir)
+    task = get_task(run.task, **run.task_options)
+    targs = trainer_args(run, run_dir, hint_kind=task.hint_kind)  # every field, before any work
+    model, tokenizer, train_ds = load_model_and_data(run, task)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = GEARTrainer(
-        model=model,
-        reward_funcs=[task.reward],
-        args=targs,
-        train_dataset=train_ds,
-        processing_class=tokenizer,
-        callbacks=[make_callback(task, tokenizer, run_dir, args)],
-        **task.trainer_kwargs(),
-    )
+    callbacks = [make_callback(task, tokenizer, run_dir, args)]
+    trainer = build_trainer(targs, model, tokenizer, task, train_ds, callbacks)
     trainer.remove_callback(PrinterCallback)
     checkpoint = last_complete_checkpoint(run_dir)
     forget_after(run_dir, int(checkpoint.name.split("-")[1]) if checkpoint else 0)

@@ -1,12 +1,13 @@
 """One training step of GEAR vs GRPO: same model, batch and seed, in one process, alternated.
 
-GRPO is TRL's own `GRPOTrainer`; GEAR is `GEARTrainer` (credit_method="gear", current teacher)
-with each group's teacher prompt computed once (`prefix_sharing=True`, the default);
-"gear_unshared" is GEAR with `prefix_sharing=False` (the plain teacher pass, "before"). Each
-repeat trains every method from the same initial weights for --steps steps (the first step of
-each run is warm-up and not counted), rotating which goes first. Reported per step: wall time
-(optimizer included) and its breakdown: generation, GEAR's teacher prompts + teacher pass,
-student pass, signals (KL/entropy), credit, and the rest (loss forward/backward, optimizer).
+GRPO is TRL's own `GRPOTrainer`; GEAR is the `GEARTrainer` that `gear train` builds (gear.run;
+credit_method="gear", current teacher) with each group's teacher prompt computed once
+(`prefix_sharing=True`, the default); "gear_unshared" is GEAR with `prefix_sharing=False` (the
+plain teacher pass, "before"). Each repeat trains every method from the same initial weights for
+--steps steps (the first step of each run is warm-up and not counted), rotating which goes
+first. Reported per step: wall time (optimizer included) and its breakdown: generation, GEAR's
+teacher prompts + teacher pass, student pass, signals (KL/entropy), credit, and the rest (loss
+forward/backward, optimizer).
 
     .venv/bin/python benchmarks/step.py --no-bf16              # embedded SmolLM2, 16 completions
     .venv/bin/python benchmarks/step.py --model /path/to/model --steps 4 --repeats 3
@@ -50,18 +51,9 @@ class StepClock(TrainerCallback):
         self.cpus.append(time.process_time() - self.c0)
 
 
-def run(
-    method: str, model0: Any, tokenizer: Any, dataset: Any, args: argparse.Namespace, out: str
-) -> list[dict]:
-    from trl import GRPOConfig, GRPOTrainer
-
-    from gear.integrations.trl import GEARConfig, GEARTrainer
-    from gear.tasks import get_task
-
-    task = get_task("arithmetic")
-    common = dict(
-        output_dir=out,
-        seed=args.seed,
+def trainer_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The GRPOConfig fields every arm trains with (GEAR's arms add their own)."""
+    return dict(
         max_steps=args.steps,
         learning_rate=args.learning_rate,
         per_device_train_batch_size=args.completions,
@@ -70,40 +62,50 @@ def run(
         temperature=1.0,
         beta=0.0,
         bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
     )
+
+
+def run(
+    method: str, model0: Any, tokenizer: Any, dataset: Any, args: argparse.Namespace, out: str
+) -> list[dict]:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gear.run import build_trainer, resolve_values, trainer_args
+    from gear.tasks import get_task
+
+    task = get_task("arithmetic")
+    fields = trainer_fields(args)
     model = copy.deepcopy(model0)
     clock = StepClock()
-    if method == "grpo":
+    if method == "grpo":  # TRL's own trainer: the baseline GEAR's cost is measured against
+        config = GRPOConfig(
+            **fields, output_dir=out, seed=args.seed, use_cpu=not torch.cuda.is_available()
+        )
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=[task.reward],
-            args=GRPOConfig(**common),
+            args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
             callbacks=[clock],
         )
-    else:
-        cfg = GEARConfig(
-            **common,
+    else:  # gear train's recipe (gear.run) with this config
+        gear = dict(
             credit_method="gear",
             teacher="current",
             credit_log_steps=0,
             prefix_sharing=method == "gear",
         )
-        trainer = GEARTrainer(
-            model=model,
-            reward_funcs=[task.reward],
-            args=cfg,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            callbacks=[clock],
+        cfg = resolve_values(
+            {"model": args.model, "task": "arithmetic", "seed": args.seed, "trainer": fields | gear}
         )
+        targs = trainer_args(cfg, Path(out), hint_kind=task.hint_kind)
+        trainer = build_trainer(targs, model, tokenizer, task, dataset, [clock])
     gen_times: list[float] = []
     original = trainer._generate
 
@@ -183,14 +185,15 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from gear.models import load_model_and_tokenizer
+    from gear.run import load_model_and_data, resolve_values
     from gear.tasks import get_task
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model0, tokenizer = load_model_and_tokenizer(args.model)
-    dataset = get_task("arithmetic").dataset("train", n=256, seed=args.seed)
+    # loaded once: every arm and repeat starts from a copy of the same weights
+    cfg = resolve_values({"model": args.model, "train_size": 256, "seed": args.seed})
+    model0, tokenizer, dataset = load_model_and_data(cfg, get_task("arithmetic"))
     rows: list[dict] = []
     for rep in range(args.repeats):
         order = methods[rep % len(methods) :] + methods[: rep % len(methods)]

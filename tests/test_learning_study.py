@@ -1,5 +1,6 @@
 """benchmarks/learning_study.py: the aggregation (bootstrap, paired differences) on synthetic runs.
-Training itself is exercised by the study; these tests need no model."""
+Training itself is exercised by the study; these tests need no model (one builds the config of a
+run through `gear train`'s recipe)."""
 
 from __future__ import annotations
 
@@ -167,3 +168,71 @@ def test_an_optional_arm_with_fewer_seeds_is_paired_but_leaves_the_core_study_co
     assert vs_gear["diff"] == pytest.approx(float((runs[("gear", 1)] - token).mean()))
     md = (tmp_path / "study" / "aggregate.md").read_text()
     assert "Optional arm `gear_token`: seeds 1 only" in md and "**partial**" not in md
+
+
+def test_the_study_trains_with_the_config_its_yaml_asks_for_through_gear_trains_recipe(tmp_path):
+    """`gear train`'s GEARConfig for a study run (its defaults under the study's yaml) equals the
+    one the study asks for: the yaml's trainer section plus the run's output_dir, seed, credit
+    method, the task's hint kind and the device; nothing of `gear train`'s own defaults leaks."""
+    import torch
+
+    from gear.integrations.trl import GEARConfig
+    from gear.run import trainer_args
+    from gear.tasks import get_task
+
+    cfg = ls.load_config(ls.CONFIG)
+    run_dir = tmp_path / "gear-seed3"
+    run = ls.run_config(cfg, "gear", 3, run_dir)
+    task = get_task(run.task, **run.task_options)
+    assert (run.model, run.train_size, run.seed) == (cfg["model"], cfg["train_size"], 3)
+    got = trainer_args(run, run_dir, hint_kind=task.hint_kind).to_dict()
+    asked = dict(cfg["trainer"])
+    asked["activation_checkpointing"] = asked.pop("gradient_checkpointing")  # the same setting
+    want = GEARConfig(
+        **asked,
+        output_dir=str(run_dir),
+        seed=3,
+        credit_method="gear",
+        hint_kind=task.hint_kind,
+        use_cpu=not torch.cuda.is_available(),
+    ).to_dict()
+    assert got.pop("logging_dir", None) == want.pop("logging_dir", None)
+    assert got == want
+    assert (got["credit_method"], got["save_total_limit"], got["bf16"]) == ("gear", 1, False)
+
+
+def test_a_tiny_study_trains_each_run_through_the_recipe_and_writes_its_results(
+    tmp_path, monkeypatch
+):
+    """`run` end to end on a saved tiny model: both methods train their steps (checkpoints on
+    the way, removed at the end), evaluate mid-run and after, and the aggregate pairs them."""
+    import torch
+    import yaml
+
+    from gear.testing import save_tiny_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = save_tiny_model(tmp_path / "model")
+    trainer = dict(
+        max_steps=2, per_device_train_batch_size=4, num_generations=2, max_completion_length=4,
+        learning_rate=1e-3, bf16=False, save_strategy="steps", save_steps=1, save_total_limit=1,
+        report_to="none", logging_steps=1, disable_tqdm=True, credit_log_steps=0,
+    )  # fmt: skip
+    config = tmp_path / "study.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"model": str(model), "task": "arithmetic", "train_size": 16, "trainer": trainer}
+        )
+    )
+    results, work = tmp_path / "results", tmp_path / "work"
+    argv = ["run", "--config", str(config), "--methods", "grpo", "gear", "--seeds", "0"]
+    argv += ["--eval-n", "4", "--eval-steps", "1", "--eval-max-new-tokens", "4"]
+    argv += ["--work", str(work), "--results", str(results), "--reps", "10"]
+    assert ls.main(argv) == 0
+    for method in ("grpo", "gear"):
+        run = json.loads((results / f"{method}-seed0.json").read_text())
+        assert [e["step"] for e in run["evals"]] == [1, 2] and run["eval_n"] == 4
+        assert [m["step"] for m in run["metrics"]] == [1, 2]
+        assert (run["method"], run["resumed_from"]) == (method, None)
+        assert not list((work / f"{method}-seed0").glob("checkpoint-*"))
+    assert json.loads((results / "aggregate.json").read_text())["complete"]

@@ -93,7 +93,7 @@ def test_the_run_trainer_follows_the_choice_in_training_generation_and_teacher_p
     tok = byte_tokenizer()
     task = get_task("arithmetic")
     data = task.dataset("train", n=4, seed=0)
-    trainer = build_trainer(cfg, args, tiny_model(tok), tok, task, data, callbacks=[])
+    trainer = build_trainer(args, tiny_model(tok), tok, task, data, callbacks=[])
     assert trainer.accelerator.mixed_precision == ("bf16" if native else "no")
     seen: list[tuple[bool, torch.dtype]] = []
     trainer.model.model.layers[-1].mlp.down_proj.register_forward_hook(

@@ -19,6 +19,10 @@ package (`gear/configs/*.yaml`: `default`, `study`) give whole setups; command-l
 `--set key=value` overrides one key. Every value is checked against its field's type and its
 declared constraint (`gear.constraints`) before anything is loaded or written.
 
+A trainer is made by `trainer_args` (the GEARConfig), `load_model_and_data` and
+`build_trainer`; benchmarks/learning_study.py and benchmarks/step.py make theirs with the same
+three, so a run there trains exactly as `gear train` would with that config.
+
 Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during training finish
 the current step (or end a periodic evaluation), save a checkpoint and end the run with
 `RunStopped`; a second signal stops at once. `gear train --resume RUN_DIR` continues from the
@@ -562,16 +566,25 @@ def stop_signals(run_dir: Path) -> Iterator[Any]:
 # ------------------------------------------------------------------------------ the run
 
 
+def load_model_and_data(cfg: RunConfig, task: Any) -> tuple[Any, Any, Any]:
+    """A run's model (loaded after seeding torch with `cfg.seed`), its tokenizer as `task`
+    needs it, and its training set (`cfg.train_size` rows in the order of `cfg.seed`)."""
+    import torch
+
+    from gear.models import load_model_and_tokenizer
+
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    tokenizer = task.prepare_tokenizer(tokenizer)
+    return model, tokenizer, task.dataset("train", n=cfg.train_size, seed=cfg.seed)
+
+
 def build_trainer(
-    cfg: RunConfig,
-    args: Any,
-    model: Any,
-    tokenizer: Any,
-    task: Any,
-    train_dataset: Any,
-    callbacks: list[Any],
+    args: Any, model: Any, tokenizer: Any, task: Any, train_dataset: Any, callbacks: list[Any]
 ) -> Any:
-    """The run's GEARTrainer, with checkpoints that appear complete or not at all."""
+    """The GEARTrainer of a run (`args`: its `trainer_args`) on `task`'s reward, with
+    checkpoints that appear complete or not at all. `gear train`, the learning study and the
+    step benchmark build theirs here."""
     from gear.integrations.trl import GEARTrainer
     from gear.run_callbacks import atomic_checkpoints
 
@@ -607,10 +620,8 @@ def _say(console: Any, message: str) -> None:
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any) -> Path:
-    import torch
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.models import load_model_and_tokenizer
     from gear.run_callbacks import (
         EvalCallback,
         MetricsFile,
@@ -640,8 +651,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     checkpoint = last_checkpoint(run_dir) if resume else None
     start_step = checkpoint_step(checkpoint)
     _say(console, f"precision: {precision.name} ({precision.reason}; {precision.capability})")
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    model, tokenizer, train_ds = load_model_and_data(cfg, task)
     run_dir.mkdir(parents=True, exist_ok=True)
     # the config as asked for (bf16: auto stays auto, resolved again on resume); the choice made
     # on this machine is recorded beside it
@@ -650,8 +660,6 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     _write_atomically(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     # steps after the checkpoint are trained again: their records go, so each step is logged once
     truncate_run_logs(run_dir, start_step)
-    tokenizer = task.prepare_tokenizer(tokenizer)
-    train_ds = task.dataset("train", n=cfg.train_size, seed=cfg.seed)
 
     summary_file = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
@@ -674,7 +682,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     if cfg.eval_every and cfg.eval_n:
         callbacks.append(EvalCallback(task, cfg, tokenizer, console, stop))
     callbacks.append(stop)  # last: it sees a signal that came during a periodic evaluation
-    trainer = build_trainer(cfg, args, model, tokenizer, task, train_ds, callbacks)
+    trainer = build_trainer(args, model, tokenizer, task, train_ds, callbacks)
     if console is not None:  # the progress display and metrics.jsonl replace TRL's printed dicts
         trainer.remove_callback(PrinterCallback)
     trained = checkpoint is not None and start_step >= target_steps(args, checkpoint)

@@ -1,0 +1,57 @@
+"""benchmarks/step.py on a tiny model: every arm trains from a copy of the same weights, GEAR's
+arms (built by `gear train`'s recipe) run the teacher pass with prefix sharing as asked, TRL's
+GRPO runs none."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gear.tasks import get_task
+from gear.testing import byte_tokenizer, tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import step
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
+    tmp_path, monkeypatch, cpu_only
+):
+    from gear.integrations.trl import trainer as gear_trainer
+
+    args = argparse.Namespace(
+        model="tiny", steps=2, completions=4, generations=2, completion_length=4, bf16=False,
+        seed=0, learning_rate=1e-2,
+    )  # fmt: skip
+    tok = byte_tokenizer()
+    model0 = tiny_model(tok)
+    before = {k: v.clone() for k, v in model0.state_dict().items()}
+    data = get_task("arithmetic").dataset("train", n=8, seed=0)
+    built = []
+    init = gear_trainer.GEARTrainer.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        built.append(self.args)
+
+    monkeypatch.setattr(gear_trainer.GEARTrainer, "__init__", spy)
+    rows = {m: step.run(m, model0, tok, data, args, str(tmp_path / m)) for m in step.METHODS}
+    for name, value in model0.state_dict().items():
+        assert torch.equal(value, before[name]), name  # the arms trained copies
+    for method, result in rows.items():
+        assert [r["step"] for r in result] == [1, 2]
+        assert all(r["method"] == method and r["wall_s"] > 0 for r in result)
+        ran_teacher = [r["teacher_s"] > 0 for r in result]
+        assert ran_teacher == [method != "grpo"] * 2, method
+    assert [a.prefix_sharing for a in built] == [True, False]  # gear, gear_unshared
+    assert all(a.credit_method == "gear" and a.credit_log_steps == 0 for a in built)
+    assert all(a.save_strategy == "no" and a.learning_rate == 1e-2 for a in built)
