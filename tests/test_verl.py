@@ -588,17 +588,26 @@ class FakeActorWorkerGroup:
     def __init__(self, tq, module):
         self.tq, self.calls = tq, 0
         self.worker = gear_worker(module, True, True, max_token_len=256)
+        self.asked: list[tuple[str, list | None, dict]] = []  # (method, fields, GEAR's options)
 
     def compute_log_prob(self, meta):
+        self.calls += 1
+        return self._run(meta, self.worker.compute_log_prob)
+
+    def compute_gear_signals(self, meta):  # rollout correction's bypass mode
+        return self._run(meta, self.worker.compute_gear_signals)
+
+    def _run(self, meta, method):
         from verl.utils import tensordict_utils as tu
 
-        self.calls += 1
+        options = {k: v for k, v in meta.extra_info.items() if k.startswith("gear_")}
+        self.asked.append((method.__name__, meta.fields, options))
         half = (len(meta.keys) + 1) // 2
         for keys in (meta.keys[:half], meta.keys[half:]):
             td = self.tq.kv_batch_get(keys, meta.partition_id, meta.fields)
             tu.assign_non_tensor(td, **meta.extra_info)
             with verl_on_cpu():
-                out = self.worker.compute_log_prob(td)
+                out = method(td)
             tensors = [k for k in out.keys() if isinstance(out.get(k), torch.Tensor)]  # noqa: SIM118
             self.tq.kv_batch_put(keys, meta.partition_id, out.select(*tensors))
         return meta
@@ -807,6 +816,120 @@ def test_trainer_plumbing_with_a_real_transfer_queue(monkeypatch, tiny_lm, tmp_p
     finally:
         tq.close()
         ray.shutdown()
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["fused", "bypass"])
+@pytest.mark.parametrize("estimator", ["gear_entropy_top", "gear_grpo"])
+def test_a_method_without_a_teacher_builds_no_teacher_prompt_and_runs_no_teacher_forward(
+    monkeypatch, tiny_lm, estimator, bypass
+):
+    """GEAR's trainer on 6 rows that all have a ground truth: for gear_entropy_top (the
+    student's entropy alone) and gear_grpo (no signal) no teacher prompt is built or stored and
+    no teacher forward runs; entropy_top's worker pass is told so (``gear_teacher=False``, no
+    teacher-prompt field in bypass mode) and still writes the student's signals, which equal a
+    plain forward's; gear_grpo leaves verl's pass as it is. The advantages are gear.credit's."""
+    pytest.importorskip("verl")
+    pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import trainer_base, trainer_sync
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from gear.integrations.verl import teacher_pass
+    from gear.integrations.verl import trainer as gear_trainer
+
+    tq = FakeTQ()
+    monkeypatch.setattr(gear_trainer, "tq", tq)
+    monkeypatch.setattr(trainer_base, "tq", tq)
+    monkeypatch.setattr(
+        gear_trainer, "build_teacher_prompts", lambda *a, **k: pytest.fail("a teacher prompt")
+    )
+    monkeypatch.setattr(
+        teacher_pass, "teacher_signals", lambda *a, **k: pytest.fail("a teacher forward ran")
+    )
+    monkeypatch.setattr(trainer_sync.PPOTrainerSync, "_compute_old_log_prob", verl_old_log_prob)
+    register_estimators()
+    prompts, _, responses = random_rows(4, n=6)
+    keys = [f"{u}_{s}_0" for u in ("uidA", "uidB") for s in range(3)]
+    uids = [k.split("_")[0] for k in keys]
+    scores = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    rows = []
+    for i in range(6):
+        rm = torch.zeros(len(responses[i]))
+        rm[-1] = scores[i]
+        rows.append(
+            {
+                "uid": uids[i],
+                "prompts": torch.tensor(prompts[i]),
+                "responses": torch.tensor(responses[i]),
+                "input_ids": torch.tensor(prompts[i] + responses[i]),
+                "position_ids": torch.arange(len(prompts[i]) + len(responses[i])),
+                "response_mask": torch.ones(len(responses[i]), dtype=torch.long),
+                "loss_mask": torch.ones(len(responses[i]), dtype=torch.long),
+                "rm_scores": rm,
+                "old_log_probs": torch.zeros(len(responses[i])),
+                "raw_prompt": [{"role": "user", "content": f"question {i}"}],
+                "reward_model": {"style": "rule", "ground_truth": f"answer {i}"},
+            }
+        )
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
+    batch = KVBatchMeta(keys=keys, tags=[{}] * 6, partition_id="train", extra_info={})
+    config = OmegaConf.create({**verl_cfg(**{"algorithm.adv_estimator": estimator}), "data": {}})
+    config.algorithm.update({"use_kl_in_reward": False, "gamma": 1.0, "lam": 1.0})
+    if bypass:
+        config.algorithm.rollout_correction = {"bypass_mode": True}
+    config.actor_rollout_ref.rollout.update({"temperature": 0.8, "multi_turn": {}, "agent": {}})
+    trainer = object.__new__(gear_trainer.GearPPOTrainer)
+    trainer.config = config
+    trainer.gear_settings = validate_verl_config(config)
+    trainer._gear_next_record_step = 0
+    trainer.global_steps = 1
+    trainer.tokenizer, trainer.processor = Tok(), None
+    trainer.actor_rollout_wg = group = FakeActorWorkerGroup(tq, tiny_lm)
+
+    metrics: dict = {}
+    trainer._compute_old_log_prob(batch, metrics)
+    stored = set(tq.rows[keys[0]])
+    assert not {"gear_teacher_prompts", "gear_has_hint"} & stored
+    assert not {"gear/rows_without_ground_truth", "timing_s/gear_teacher_prompts"} & set(metrics)
+    written = {name for name, field in SIGNAL_FIELDS.items() if field in stored}
+    if estimator == "gear_grpo":
+        assert written == set()
+        assert group.asked == [("compute_log_prob", None, {})]  # verl's pass, nothing of GEAR's
+    else:
+        assert written == {"entropy", "student_logprobs"}
+        gear_pass = group.asked[-1]
+        assert gear_pass[0] == ("compute_gear_signals" if bypass else "compute_log_prob")
+        assert gear_pass[2]["gear_teacher"] is False
+        if bypass:
+            assert "gear_teacher_prompts" not in gear_pass[1]
+        got = tq.kv_batch_get(keys, "train", [SIGNAL_FIELDS[n] for n in written])
+        for i in range(6):
+            ref = reference_signals(tiny_lm, prompts[i], prompts[i], responses[i], 0.8)
+            for name in written:
+                torch.testing.assert_close(
+                    got[SIGNAL_FIELDS[name]][i], getattr(ref, name)[0], rtol=1e-4, atol=1e-5
+                )
+
+    trainer._compute_advantage(batch, metrics)
+    width = max(len(r) for r in responses)
+
+    def pad(values):
+        return torch.stack(
+            [torch.nn.functional.pad(v.float(), (0, width - len(v))) for v in values]
+        )
+
+    mask = pad([r["response_mask"] for r in rows]).long()
+    signals = {f: torch.zeros(6, width) for f in SIGNAL_FIELDS.values()}  # read by neither method
+    for name in written:
+        signals[SIGNAL_FIELDS[name]] = pad(list(got[SIGNAL_FIELDS[name]].unbind()))
+    method = VERL_ESTIMATORS[estimator]
+    want = expected_token_advantages(
+        pad([r["rm_scores"] for r in rows]), mask, uids, signals, method
+    )
+    adv = tq.kv_batch_get(keys, "train", ["advantages"])["advantages"]
+    for i in range(6):
+        torch.testing.assert_close(adv[i], want[i, : len(responses[i])])
 
 
 def test_trainer_renders_teacher_prompts_like_the_agent_loop():
