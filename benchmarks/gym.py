@@ -1,7 +1,7 @@
 """The credit gym (issue 20): every arm x seed on the chain task, paired statistics, JSON, plots.
 
     python benchmarks/gym.py --quick                 # smoke test, a few minutes
-    python benchmarks/gym.py --workers 2             # the default grid: 8 arms x 20 seeds
+    python benchmarks/gym.py --workers 2             # the default grid: 10 arms x 20 seeds
     python benchmarks/gym.py --methods grpo --methods mymod:my_method --seeds 10
     python benchmarks/gym.py --sweep 0.05 0.1 0.2 0.4
 
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--methods", action="append", help="arm spec (repeat); default: all 8 arms")
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1"
+    )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--length", type=int, default=4, help="chain length (steps per problem)")
     ap.add_argument("--sweep", type=float, nargs="*", default=[], help="tau_onset values")
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     result = run(
         a.methods,
-        seeds=a.seeds,
+        seeds=range(a.first_seed, a.first_seed + a.seeds),
         steps=a.steps,
         length=a.length,
         quick=a.quick,

@@ -56,7 +56,8 @@ def test_train_and_test_problems_are_disjoint():
     assert not set(map(tuple, train.tolist())) & set(map(tuple, test.tolist()))
 
 
-def test_oracle_weights_land_exactly_on_the_first_wrong_step():
+@pytest.mark.parametrize("spec", ["oracle", "oracle_sharp"])
+def test_oracle_weights_land_exactly_on_the_first_wrong_step(spec):
     task = ChainTask(4)
     problems = task.problems(8, torch.Generator().manual_seed(2))
     comp = task.references(problems).clone()
@@ -67,10 +68,7 @@ def test_oracle_weights_land_exactly_on_the_first_wrong_step():
             comp[i, pos] = (comp[i, pos] + 1) % 10
     adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, -0.5, 1.0, 0.5, -2.0])
     logits = torch.randn(8, task.completion_len, 16)
-    w = (
-        credit(parse_arm("oracle"), task, problems, comp, adv, logits, logits, seed=0)
-        / adv[:, None]
-    )
+    w = credit(parse_arm(spec), task, problems, comp, adv, logits, logits, seed=0) / adv[:, None]
     for i, k in enumerate(wrong_steps):
         if k < 0:
             assert torch.allclose(w[i], torch.ones_like(w[i]))  # no error: plain GRPO
@@ -78,6 +76,10 @@ def test_oracle_weights_land_exactly_on_the_first_wrong_step():
         top = (w[i] == w[i].max()).nonzero().flatten().tolist()
         assert top == list(range(STEP_LEN * k, STEP_LEN * (k + 1)))
         assert w[i].mean().item() == pytest.approx(1.0)  # mass preserved
+        in_step = w[i, STEP_LEN * k : STEP_LEN * (k + 1)].sum() / w[i].sum()
+        # GEAR's default modulation: 6 of 24 tokens at 1.5 vs 1 -> a third of the mass;
+        # the sharp one: almost all of it
+        assert in_step.item() == pytest.approx(1 / 3 if spec == "oracle" else 0.99, abs=0.01)
 
 
 def test_one_rl_step_changes_the_parameters():
