@@ -99,14 +99,16 @@ def table(result: dict[str, Any]) -> str:
         "",
         f"localisation: {loc['failures']} failures, {loc['placebo_rows']} placebo rows"
         f" (chance hit_step {loc['chance_hit_step']:.3f})",
-        f"{'arm':<16}{'hit_step':>10}{'placebo':>10}{'hit_token':>11}{'mass_lift':>11}",
+        f"{'arm':<16}{'hit_step':>10}{'placebo':>10}{'step|next':>11}{'placebo':>10}"
+        f"{'hit_token':>11}{'mass_lift':>11}",
     ]
     for name, r in loc["arms"].items():
         real, plac = r.get("real", {}), r.get("placebo", {})
-        lines.append(
-            f"{name:<16}{real.get('hit_step', math.nan):>10.3f}{plac.get('hit_step', math.nan):>10.3f}"
-            f"{real.get('hit_token', math.nan):>11.3f}{real.get('mass_lift', math.nan):>11.3f}"
-        )
+        cells = [
+            (real, "hit_step", 10), (plac, "hit_step", 10), (real, "hit_step_or_next", 11),
+            (plac, "hit_step_or_next", 10), (real, "hit_token", 11), (real, "mass_lift", 11),
+        ]  # fmt: skip
+        lines.append(f"{name:<16}" + "".join(f"{d.get(k, math.nan):>{w}.3f}" for d, k, w in cells))
     return "\n".join(lines)
 
 
