@@ -31,10 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=4, help="chain length (steps per problem)")
     ap.add_argument("--sweep", type=float, nargs="*", default=[], help="tau_onset values")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="3 seeds x 20 steps: a smoke test")
-    ap.add_argument("--out", type=Path, default=RESULTS / "gym.json")
-    ap.add_argument("--plots", type=Path, default=RESULTS / "gym")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 seeds x 20 steps (sets --seeds, --steps): a smoke test",
+    )
+    ap.add_argument("--out", type=Path, help="default: results/gym.json (--quick: gym_quick.json)")
+    ap.add_argument("--plots", type=Path, help="default: results/gym/ (--quick: gym_quick/)")
     a = ap.parse_args(argv)
+    for name in ("seeds", "steps", "length", "workers"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name}: expected an integer >= 1, got {getattr(a, name)}")
+    stem = "gym_quick" if a.quick else "gym"  # a smoke test never overwrites the grid's result
+    a.out = a.out or RESULTS / f"{stem}.json"
+    a.plots = a.plots or RESULTS / stem
     result = run(
         a.methods,
         seeds=range(a.first_seed, a.first_seed + a.seeds),

@@ -6,6 +6,7 @@ import json
 import random
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,6 +50,79 @@ def test_checker_finds_the_first_wrong_step_like_a_plain_loop():
     assert task.rewards(problems, task.references(problems)).eq(1).all()
 
 
+def test_rl_settings_are_checked_before_any_work():
+    with pytest.raises(ValueError, match=r"RLConfig\.group: got 1, expected an integer >= 2"):
+        RLConfig(group=1)
+    with pytest.raises(ValueError, match=r"RLConfig\.eval_every"):
+        RLConfig(eval_every=0)
+    with pytest.raises(ValueError, match="gym: seeds"):
+        run(["grpo"], seeds=0, log=lambda _: None)
+    with pytest.raises(ValueError, match="gym: workers"):
+        run(["grpo"], seeds=1, workers=0, log=lambda _: None)
+
+
+def test_the_loss_and_the_signals_use_the_sampling_temperature(monkeypatch):
+    """TRL scores tokens under logits / temperature; the gym's loop must too."""
+    import gear.gym.train as train
+
+    seen = []
+    real = train.signals_from_logits
+    monkeypatch.setattr(
+        train,
+        "signals_from_logits",
+        lambda *a, **kw: seen.append(kw["temperature"]) or real(*a, **kw),
+    )
+    task = ChainTask(2)
+    model = build_model(TINY, task)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    problems = task.problems(4, torch.Generator().manual_seed(3))
+    for seed in range(10):
+        out = rl_step(
+            model, opt, parse_arm("gear"), task, replace(MICRO_RL, temperature=0.7), problems,
+            torch.Generator().manual_seed(seed), credit_seed=seed,
+        )  # fmt: skip
+        if out["updated"]:
+            break
+    assert seen == [0.7]
+    logits = torch.randn(2, 3, 16)
+    comp = torch.randint(0, 16, (2, 3))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(2, comp[..., None]).squeeze(2)
+    assert torch.allclose(train.token_logprobs(logits, comp, 0.7), expected)
+
+
+def test_the_run_key_changes_with_the_code_of_a_users_method(tmp_path):
+    """A kept run is reused only for the same code: editing your own method reruns it."""
+    from gear.credit.methods import METHODS
+    from gear.gym import run_key
+
+    mod = tmp_path / "gym_key_methods.py"
+    mod.write_text(textwrap.dedent('''
+        import torch
+        from gear.credit import MethodOutput, register_method
+
+        @register_method("gym_key_test", requires=("kl",))
+        def m(x, p):
+            return MethodOutput(weights=torch.ones_like(x.kl))
+    '''))  # fmt: skip
+    sys.path.insert(0, str(tmp_path))
+    try:
+        arm = parse_arm("gym_key_methods:gym_key_test")
+        key = run_key(arm, 0, RLConfig(), "w")
+        assert run_key(arm, 0, RLConfig(), "w") == key
+        assert run_key(arm, 1, RLConfig(), "w") != key
+        assert run_key(arm, 0, RLConfig(lr=1e-3), "w") != key
+        assert run_key(arm, 0, RLConfig(), "other warm start") != key
+        assert (
+            run_key(parse_arm("gym_key_methods:gym_key_test@alpha=0.3"), 0, RLConfig(), "w") != key
+        )
+        mod.write_text(mod.read_text() + "\n# edited\n")
+        assert run_key(arm, 0, RLConfig(), "w") != key
+    finally:
+        sys.path.remove(str(tmp_path))
+        METHODS.pop("gym_key_test", None)
+        sys.modules.pop("gym_key_methods", None)
+
+
 def test_train_and_test_problems_are_disjoint():
     task = ChainTask(3)
     train = task.problems(500, torch.Generator().manual_seed(1), "train")
@@ -66,6 +140,10 @@ def test_oracle_weights_land_exactly_on_the_first_wrong_step(spec):
         if k >= 0:
             pos = STEP_LEN * k + 4  # the result digit
             comp[i, pos] = (comp[i, pos] + 1) % 10
+    # row 6 reached the right answer through a flawed step (the operand copied wrong):
+    # a positive advantage, so the oracle leaves it plain GRPO
+    comp[6, STEP_LEN + 2] = (comp[6, STEP_LEN + 2] + 1) % 10
+    assert task.first_wrong_step(problems, comp)[6] == 1 and task.rewards(problems, comp)[6] == 1
     adv = torch.tensor([-1.0, -1.0, -1.0, -1.0, -0.5, 1.0, 0.5, -2.0])
     logits = torch.randn(8, task.completion_len, 16)
     w = credit(parse_arm(spec), task, problems, comp, adv, logits, logits, seed=0) / adv[:, None]

@@ -367,7 +367,7 @@ def gym(
             "--methods",
             help="Arm, repeatable: a registered credit method, 'module:method' (the module is "
             "imported first, so a method you register there runs), or 'method@key=value,...'. "
-            "Default: the gym's 8 arms.",
+            "Default: the gym's 10 arms.",
         ),
     ] = None,
     seeds: Annotated[int, typer.Option(help="Seeds per arm (paired by seed).")] = 20,
@@ -377,7 +377,9 @@ def gym(
         list[float] | None, typer.Option("--sweep", help="tau_onset values for gear (repeatable).")
     ] = None,
     workers: Annotated[int, typer.Option(help="Worker processes, one thread each.")] = 1,
-    quick: Annotated[bool, typer.Option(help="3 seeds x 20 steps: a smoke test.")] = False,
+    quick: Annotated[
+        bool, typer.Option(help="3 seeds x 20 steps (sets --seeds, --steps): a smoke test.")
+    ] = False,
     out: Annotated[Path, typer.Option(help="Result JSON.")] = Path("gym.json"),
     plots: Annotated[Path, typer.Option(help="Directory for the plots.")] = Path("gym_plots"),
 ) -> None:

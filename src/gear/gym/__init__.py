@@ -11,6 +11,7 @@ See docs/gym.md.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gear.credit import METHODS
 from gear.gym.model import (
     ModelConfig,
     WarmStart,
@@ -46,11 +48,47 @@ def _threads() -> None:
     torch.set_num_threads(1)
 
 
-def run_key(warm_key: str, spec: str, seed: int, rl: RLConfig) -> str:
-    """What determines one (arm, seed) run: the warm start (itself keyed by task, model and
-    warm-start settings), the arm's spec, the seed and the RL settings."""
-    blob = json.dumps({"warm": warm_key, "spec": spec, "seed": seed, "rl": asdict(rl), "v": 1})
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def _sha(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def state_hash(state: dict[str, torch.Tensor]) -> str:
+    """A digest of the warm-start weights themselves (a retrained warm start changes it)."""
+    return _sha(
+        *(
+            k.encode() + v.detach().cpu().contiguous().numpy().tobytes()
+            for k, v in sorted(state.items())
+        )
+    )
+
+
+def run_key(arm: Arm, seed: int, rl: RLConfig, warm_digest: str) -> str:
+    """Everything that determines one (arm, seed) run: the warm-start weights, the arm as
+    parsed (method, estimator, every `CreditParams` value, oracle), the seed, the RL settings,
+    torch's version and the source of the code a run executes (the gym's task, model and loop,
+    `gear.credit`, and the module of the arm's method, so editing your own method reruns it)."""
+    here = Path(__file__).parent
+    files = [here / n for n in ("task.py", "model.py", "train.py")]
+    files += sorted((here.parent / "credit").glob("*.py"))
+    method_file = inspect.getsourcefile(METHODS[arm.method].fn)
+    if method_file:
+        files.append(Path(method_file))
+    code = _sha(*(f.read_bytes() for f in dict.fromkeys(files)))
+    blob = {
+        "warm": warm_digest,
+        "method": arm.method,
+        "estimator": arm.estimator,
+        "oracle": arm.oracle,
+        "params": asdict(arm.params(seed)),
+        "seed": seed,
+        "rl": asdict(rl),
+        "torch": torch.__version__,
+        "code": code,
+    }
+    return _sha(json.dumps(blob, sort_keys=True).encode())
 
 
 def _job(args: tuple) -> dict[str, Any]:
@@ -151,12 +189,20 @@ def run(
     """
     t0 = time.perf_counter()
     rl = rl or RLConfig()
+    for name, value in (("steps", steps), ("workers", workers), ("loc_prompts", loc_prompts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"gym: {name}: expected an integer >= 1, got {value!r}")
+    if isinstance(seeds, int) and seeds < 1:
+        raise ValueError(f"gym: seeds: expected a count >= 1 or a list of seeds, got {seeds!r}")
     loc_n = loc_prompts
     if quick:
+        log(f"gym: quick mode: {QUICK['seeds']} seeds x {QUICK['steps']} steps (a smoke test)")
         seeds, steps, loc_n = QUICK["seeds"], QUICK["steps"], QUICK["loc_prompts"]
         rl = replace(rl, eval_every=QUICK["eval_every"], eval_n=QUICK["eval_n"])
     rl = replace(rl, steps=steps)
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    if not seed_list or len(set(seed_list)) != len(seed_list):
+        raise ValueError(f"gym: seeds: expected distinct seeds, at least one, got {seed_list}")
     specs = list(methods) if methods else list(DEFAULT_ARMS)
     arms = [parse_arm(s) for s in specs] + sweep_arms(sweep)
     if len({a.name for a in arms}) != len(arms):
@@ -165,6 +211,7 @@ def run(
     _threads()
 
     state, warm_info = warm_start(task, model_cfg, warm, cache=cache, log=log)
+    warm_digest = state_hash(state)
     model = build_model(model_cfg, task)
     model.load_state_dict(state)
     log(f"gym: localisation on natural failures ({loc_n} prompts x {rl.group})")
@@ -174,7 +221,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     jobs = [
         (a.name, a.spec, s, task, model_cfg, state, rl,
-         run_dir / f"{run_key(warm_info['key'], a.spec, s, rl)}.json")
+         run_dir / f"{run_key(a, s, rl, warm_digest)}.json")
         for s in seed_list for a in arms
     ]  # fmt: skip
     log(f"gym: {len(arms)} arms x {len(seed_list)} seeds x {steps} steps, {workers} worker(s)")

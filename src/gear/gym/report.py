@@ -129,7 +129,9 @@ def localisation(
     wrong token, `hit_step_or_next` the same for the step or the token after it (the next
     step's first token, where a full-vocabulary KL first sees the step's last digit),
     `mass_lift` the mean weight in that step over the row's mean weight. Placebo:
-    the correct rollouts, also scored with A = -1, with a random step (seeded) called wrong.
+    the correct rollouts, also scored with A = -1, with a random step (seeded) called wrong;
+    `shuffled`: the failed rows with their first-error labels permuted among them (controls for
+    where errors tend to fall).
     """
     gen = torch.Generator().manual_seed(30_000 + seed)
     problems = task.problems(prompts, gen, "test").repeat_interleave(group, dim=0)
@@ -141,6 +143,11 @@ def localisation(
     s_logits = completion_logits(model, student, comp)
     t_logits = completion_logits(model, task.teacher_prompts(problems), comp)
     fake_step = torch.randint(0, task.length, (len(problems),), generator=gen)
+    # the second placebo: the failed rows themselves, their first-error labels permuted among
+    # them (same rows, same spread of error positions, label unrelated to the row)
+    perm = torch.randperm(int(failed.sum()), generator=gen)
+    shuffled_tok = first_tok.clone()
+    shuffled_tok[failed] = first_tok[failed][perm]
     out: dict[str, Any] = {
         "rollouts": len(problems),
         "failures": int(failed.sum()),
@@ -153,6 +160,7 @@ def localisation(
         for label, rows, step, tok in (
             ("real", failed, first_tok // STEP_LEN, first_tok),
             ("placebo", correct, fake_step, fake_step * STEP_LEN + 4),
+            ("shuffled", failed, shuffled_tok // STEP_LEN, shuffled_tok),
         ):
             if not bool(rows.any()):
                 continue
@@ -171,8 +179,11 @@ def localisation(
                 "hit_token": float(((top & on_tok).sum(1) / top.sum(1)).mean()),
                 "mass_lift": float(((w * in_step).sum(1) / STEP_LEN / w.mean(1)).mean()),
             }
-        if "real" in res and "placebo" in res:
-            res["real_minus_placebo"] = {k: res["real"][k] - res["placebo"][k] for k in res["real"]}
+        for other in ("placebo", "shuffled"):
+            if "real" in res and other in res:
+                res[f"real_minus_{other}"] = {
+                    k: res["real"][k] - res[other][k] for k in res["real"]
+                }
         out["arms"][arm.name] = res
     return out
 

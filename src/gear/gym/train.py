@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gear.constraints import Check, check_field, field_checks
 from gear.credit import METHODS, CreditParams, token_advantages
 from gear.credit.signals import ESTIMATORS, signals_from_logits
 from gear.gym.model import ModelConfig, build_model, completion_logits, evaluate, sample
@@ -33,7 +34,7 @@ from gear.gym.task import STEP_LEN, ChainTask
 
 #: a sharp modulation: a negative row's weight goes almost all to its flagged tokens (raw
 #: exp(5) = 148 vs 1, mass-preserved: a flagged step of 6 tokens in 24 gets 3.92 a token and
-#: 99% of the row's weight, the rest 0.026; w_max=100 so that the clip, applied after mass
+#: 98% of the row's weight, the rest 0.026; w_max=100 so that the clip, applied after mass
 #: preservation, never binds). GEAR's default (linear, alpha 0.5) gives 1.33 and 0.89: a third.
 SHARP = "modulation=exp,beta=5,w_min=0,w_max=100"
 
@@ -117,14 +118,26 @@ def parse_arm(spec: str, name: str | None = None) -> Arm:
 
 @dataclass(frozen=True)
 class RLConfig:
-    steps: int = 60
-    prompts: int = 16  # prompts per step
-    group: int = 8  # rollouts per prompt
-    lr: float = 3e-4  # 1e-3 collapsed the just-warm-started model (0.45 -> 0.17 in 30 steps)
-    epsilon: float = 0.2  # ratio clip (inert with one update per batch)
-    temperature: float = 1.0
-    eval_every: int = 10
-    eval_n: int = 256
+    """The RL loop's settings; bad values are refused on construction, naming the field."""
+
+    steps: int = field(default=60, metadata={"check": Check(ge=1, integer=True)})
+    prompts: int = field(default=16, metadata={"check": Check(ge=1, integer=True)})  # a step
+    group: int = field(  # rollouts per prompt; GRPO's std needs two
+        default=8, metadata={"check": Check(ge=2, integer=True)}
+    )
+    lr: float = field(  # 1e-3 collapsed the just-warm-started model (0.45 -> 0.17 in 30 steps)
+        default=3e-4, metadata={"check": Check(gt=0)}
+    )
+    epsilon: float = field(  # ratio clip (inert with one update per batch)
+        default=0.2, metadata={"check": Check(ge=0)}
+    )
+    temperature: float = field(default=1.0, metadata={"check": Check(gt=0)})
+    eval_every: int = field(default=10, metadata={"check": Check(ge=1, integer=True)})
+    eval_n: int = field(default=256, metadata={"check": Check(ge=1, integer=True)})
+
+    def __post_init__(self) -> None:
+        for name, check in field_checks(RLConfig).items():
+            check_field("RLConfig", name, getattr(self, name), check)
 
 
 def group_advantages(rewards: Tensor, group: int) -> Tensor:
@@ -155,8 +168,9 @@ def credit(
         estimator=arm.estimator,
     )
     kl = sig.kl
-    if arm.oracle:
-        kl = task.step_mask(task.first_wrong_step(problems, completions)).float()
+    if arm.oracle:  # the first wrong step of failed rows only: a correct row stays plain GRPO
+        wrong = task.step_mask(task.first_wrong_step(problems, completions)).float()
+        kl = wrong * (advantages < 0).to(wrong.dtype)[:, None]
     return token_advantages(
         advantages,
         mask,
@@ -168,9 +182,22 @@ def credit(
     )
 
 
-def dapo_loss(logits: Tensor, old_logp: Tensor, completions: Tensor, adv: Tensor, eps: float):
+def token_logprobs(logits: Tensor, completions: Tensor, temperature: float) -> Tensor:
+    """(N, T) log-probabilities of the sampled tokens under logits / temperature (as TRL)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(2, completions[..., None]).squeeze(2)
+
+
+def dapo_loss(
+    logits: Tensor,
+    old_logp: Tensor,
+    completions: Tensor,
+    adv: Tensor,
+    eps: float,
+    temperature: float,
+) -> Tensor:
     """TRL's `dapo` loss: -min(ratio * A_t, clip(ratio) * A_t) summed over tokens / token count."""
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(2, completions[..., None]).squeeze(2)
+    logp = token_logprobs(logits, completions, temperature)
     ratio = torch.exp(logp - old_logp)
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
     return per_token.sum() / completions.numel()
@@ -198,9 +225,11 @@ def rl_step(
     logits = completion_logits(model, prompts, comp)
     with torch.no_grad():  # the teacher: the current weights, the hinted prompt (spec §4)
         teacher_logits = completion_logits(model, task.teacher_prompts(rep), comp)
-        old_logp = torch.log_softmax(logits.float(), -1).gather(2, comp[..., None]).squeeze(2)
-    adv_tok = credit(arm, task, rep, comp, adv, logits, teacher_logits, credit_seed)
-    loss = dapo_loss(logits, old_logp, comp, adv_tok.to(logits.dtype), cfg.epsilon)
+        old_logp = token_logprobs(logits, comp, cfg.temperature)
+    adv_tok = credit(
+        arm, task, rep, comp, adv, logits, teacher_logits, credit_seed, cfg.temperature
+    )
+    loss = dapo_loss(logits, old_logp, comp, adv_tok.to(logits.dtype), cfg.epsilon, cfg.temperature)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -227,14 +256,14 @@ def train_arm(
 
     Returns {arm, seed, curve: [{step, accuracy, exact}], rewards, wall_s}."""
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
     model = build_model(model_cfg, task)
     model.load_state_dict(state)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     prompt_gen = torch.Generator().manual_seed(1_000 + seed)
     held_out = eval_problems(task, cfg.eval_n)
-    curve = [{"step": 0, **evaluate(model, task, held_out, seed=seed * 100_003)}]
+    eval_seed = 7_919 + seed * 100_003  # not the seeds training samples with
+    curve = [{"step": 0, **evaluate(model, task, held_out, seed=eval_seed)}]
     rewards = []
     for step in range(1, cfg.steps + 1):
         problems = task.problems(cfg.prompts, prompt_gen)
@@ -242,9 +271,7 @@ def train_arm(
         m = rl_step(model, opt, arm, task, cfg, problems, gen, credit_seed=seed * 100_003 + step)
         rewards.append(m["reward"])
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            curve.append(
-                {"step": step, **evaluate(model, task, held_out, seed=seed * 100_003 + step)}
-            )
+            curve.append({"step": step, **evaluate(model, task, held_out, seed=eval_seed + step)})
             log(
                 f"gym: {arm.name} seed {seed} step {step}/{cfg.steps}  reward {m['reward']:.3f}  "
                 f"held-out {curve[-1]['accuracy']:.3f} (exact {curve[-1]['exact']:.3f})  "
