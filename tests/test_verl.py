@@ -374,6 +374,25 @@ def reference_signals(model, prompt, teacher_prompt, response, temperature):
         )
 
 
+def tq_row(uid, prompt, response, mask, score, raw_prompt, ground_truth):
+    """One rollout row as verl's TransferQueue holds it (the reward on the last token)."""
+    rm = torch.zeros(len(response))
+    rm[-1] = score
+    return {
+        "uid": uid,
+        "prompts": torch.tensor(prompt),
+        "responses": torch.tensor(response),
+        "input_ids": torch.tensor(prompt + response),
+        "position_ids": torch.arange(len(prompt) + len(response)),
+        "response_mask": mask,
+        "loss_mask": mask,
+        "rm_scores": rm,
+        "old_log_probs": torch.zeros(len(response)),
+        "raw_prompt": raw_prompt,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+    }
+
+
 def random_rows(seed, n=5):
     g = torch.Generator().manual_seed(seed)
 
@@ -669,28 +688,13 @@ def run_trainer_plumbing(tq, worker_group, model, monkeypatch, run_dir, partitio
     scores = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     raw = [[{"role": "user", "content": f"question {i}"}] for i in range(7)]
     student_prompts = [fake_render(m, None) for m in raw]
-    rows = []
-    for i in range(7):
-        rm = torch.zeros(len(responses[i]))
-        rm[-1] = scores[i]
-        rows.append(
-            {
-                "uid": uids[i],
-                "prompts": torch.tensor(student_prompts[i]),
-                "responses": torch.tensor(responses[i]),
-                "input_ids": torch.tensor(student_prompts[i] + responses[i]),
-                "position_ids": torch.arange(len(student_prompts[i]) + len(responses[i])),
-                "response_mask": masks[i],
-                "loss_mask": masks[i],
-                "rm_scores": rm,
-                "old_log_probs": torch.zeros(len(responses[i])),
-                "raw_prompt": raw[i],
-                "reward_model": {
-                    "style": "rule",
-                    "ground_truth": None if i == 4 else f"answer {i}",
-                },
-            }
+    rows = [
+        tq_row(
+            uids[i], student_prompts[i], responses[i], masks[i], scores[i], raw[i],
+            None if i == 4 else f"answer {i}",
         )
+        for i in range(7)
+    ]  # fmt: skip
     tags = [{"status": "success"}] * 7
     tq.kv_batch_put(
         keys=keys, partition_id=partition, fields=list_of_dict_to_tensordict(rows), tags=tags
@@ -853,25 +857,13 @@ def test_a_method_without_a_teacher_builds_no_teacher_prompt_and_runs_no_teacher
     keys = [f"{u}_{s}_0" for u in ("uidA", "uidB") for s in range(3)]
     uids = [k.split("_")[0] for k in keys]
     scores = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
-    rows = []
-    for i in range(6):
-        rm = torch.zeros(len(responses[i]))
-        rm[-1] = scores[i]
-        rows.append(
-            {
-                "uid": uids[i],
-                "prompts": torch.tensor(prompts[i]),
-                "responses": torch.tensor(responses[i]),
-                "input_ids": torch.tensor(prompts[i] + responses[i]),
-                "position_ids": torch.arange(len(prompts[i]) + len(responses[i])),
-                "response_mask": torch.ones(len(responses[i]), dtype=torch.long),
-                "loss_mask": torch.ones(len(responses[i]), dtype=torch.long),
-                "rm_scores": rm,
-                "old_log_probs": torch.zeros(len(responses[i])),
-                "raw_prompt": [{"role": "user", "content": f"question {i}"}],
-                "reward_model": {"style": "rule", "ground_truth": f"answer {i}"},
-            }
+    rows = [
+        tq_row(
+            uids[i], prompts[i], responses[i], torch.ones(len(responses[i]), dtype=torch.long),
+            scores[i], [{"role": "user", "content": f"question {i}"}], f"answer {i}",
         )
+        for i in range(6)
+    ]  # fmt: skip
     tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
     batch = KVBatchMeta(keys=keys, tags=[{}] * 6, partition_id="train", extra_info={})
     config = OmegaConf.create({**verl_cfg(**{"algorithm.adv_estimator": estimator}), "data": {}})
