@@ -22,7 +22,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--methods", action="append", help="arm spec (repeat); default: all 8 arms")
+    ap.add_argument("--methods", action="append", help="arm spec (repeat); default: all 10 arms")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument(
         "--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1"

@@ -1,7 +1,7 @@
 """Arms and the RL loop of the gym.
 
 The loop is a compact plain-PyTorch GRPO over the tiny model (TRL's trainer costs more per step
-than this whole step; a grid of 20 seeds x 8 arms must fit in an hour on two cores). Everything
+than this whole step; a grid of 20 seeds x 10 arms must fit in an hour on two cores). Everything
 that makes an arm an arm goes through gear's own code: the teacher pass scores the same tokens
 with the ground-truth hint, `gear.credit.signals.signals_from_logits` gives KL (any estimator),
 entropy and log-probs, `gear.credit.token_advantages` gives the per-token advantages, and the
