@@ -59,6 +59,16 @@ class TeacherPassOptions:
     pad_token_id: int = 0
     max_token_len: int | None = None
 
+    def kernel_kwargs(self, conventions: LogitConventions) -> dict[str, Any]:
+        """The `signals_from_hidden` options of every forward of the pass: the estimator,
+        chunking, and the temperature and softcap under the model's logit conventions."""
+        return dict(
+            estimator=self.estimator,
+            topk=self.topk,
+            chunk_size=self.chunk_size,
+            **conventions.signal_kwargs(self.temperature),
+        )
+
 
 def _rows(x: Tensor | Sequence[Tensor | Sequence[int]]) -> list[Tensor]:
     """Rows of a jagged nested tensor, a list of tensors or lists, or a 2-D tensor."""
@@ -244,10 +254,7 @@ def teacher_signals(
                     weight,
                     tokens[None],
                     lm_head_bias=bias,
-                    estimator=options.estimator,
-                    topk=options.topk,
-                    chunk_size=options.chunk_size,
-                    **conventions.signal_kwargs(options.temperature),
+                    **options.kernel_kwargs(conventions),
                 )
             )
 
@@ -286,10 +293,7 @@ def student_signals(
                 weight,
                 tokens[None],
                 lm_head_bias=bias,
-                estimator=options.estimator,
-                topk=options.topk,
-                chunk_size=options.chunk_size,
-                **conventions.signal_kwargs(options.temperature),
+                **options.kernel_kwargs(conventions),
             )
         )
 
