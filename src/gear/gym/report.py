@@ -24,16 +24,16 @@ PAIRS = (("oracle", "grpo"), ("gear", "grpo"), ("gear", "random"), ("gear_k1", "
 
 
 def t_interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean and two-sided t-interval of `values` (an interval needs two values or more)."""
+    """Mean, two-sided t-interval and SD of `values` (an interval needs two values or more)."""
     from scipy import stats
 
     n = len(values)
     mean = sum(values) / n if n else math.nan
     if n < 2:
-        return {"mean": mean, "ci": [math.nan, math.nan], "n": n}
+        return {"mean": mean, "ci": [math.nan, math.nan], "n": n, "sd": math.nan}
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "ci": [mean - half, mean + half], "n": n}
+    return {"mean": mean, "ci": [mean - half, mean + half], "n": n, "sd": sd}
 
 
 def _final(run: dict[str, Any], metric: str) -> float:
@@ -95,18 +95,11 @@ def summarise(
             "mean": d["mean"],
             "ci": d["ci"],
             "n": d["n"],
-            "sd": _sd(diff),
+            "sd": d["sd"],
             "wins": sum(x > 0 for x in diff),
             other: {"mean": e["mean"], "ci": e["ci"]},
         }
     return {"arms": arms, "paired": paired}
-
-
-def _sd(xs: list[float]) -> float:
-    if len(xs) < 2:
-        return math.nan
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def _median(xs: list[int]) -> float | None:
