@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from gear.credit import METHODS, CreditParams, credit_details, register_method, token_advantages
 from gear.testing import gear_row
 
-SEGMENT_VARIANTS = ["gear", "gear_token", "gear_kl_only", "gear_entropy_only"]
+SEGMENT_VARIANTS = [
+    "gear", "gear_token", "gear_kl_only", "gear_entropy_only", "gear_departure", "gear_departure_point",
+]  # fmt: skip
 FLOAT_KEYS = ("token_advantages", "weights", "source")
 
 

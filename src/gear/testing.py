@@ -65,8 +65,10 @@ def gear_row(
     w_min: float = 0.2,
     w_max: float = 3.0,
     tau_entropy: float = 0.5,
+    realign_len: int = 8,
 ) -> dict[str, list]:
-    """One row of spec §2. variant: gear | gear_token | gear_kl_only | gear_entropy_only."""
+    """One row of spec §2. variant: gear | gear_token | gear_kl_only | gear_entropy_only, or
+    the first-departure extensions gear_departure | gear_departure_point (`departure_row`)."""
     T = len(valid)
     ts = turn_starts or [False] * T
     # 1. continuation starts
@@ -74,6 +76,12 @@ def gear_row(
     # 2. normalise
     d = normalise(kl, valid)
     h = normalise(ent, valid)
+    if variant in ("gear_departure", "gear_departure_point"):
+        onset, source, seg_id = departure_row(
+            variant, valid, cont, d, tau_onset, max_segment_len, realign_len
+        )
+        return _weights(adv, valid, source, onset, seg_id, modulation, alpha, beta,
+                        preserve_mass, w_min, w_max)  # fmt: skip
     # 3. entropy rise
     rise = [valid[t] and not cont[t] and h[t] - h[t - 1] > delta_entropy for t in range(T)]
     # 4. onsets
@@ -109,6 +117,77 @@ def gear_row(
                 seg_id[u] = n_seg
                 u += 1
             n_seg += 1
+    return _weights(adv, valid, source, onset, seg_id, modulation, alpha, beta,
+                    preserve_mass, w_min, w_max)  # fmt: skip
+
+
+def departure_row(
+    variant: str,
+    valid: list[bool],
+    cont: list[bool],
+    d: list[float],
+    tau: float,
+    max_len: int,
+    realign_len: int,
+) -> tuple[list[bool], list[float], list[int]]:
+    """Onsets, source values and segment ids of the first-departure extensions, one token at a
+    time: the student *departs* at the first KL rising edge of a continuation or after it has
+    realigned (`realign_len` consecutive tokens below tau); later spikes before the next
+    realignment belong to that departure. gear_departure: the span (departure up to the
+    realignment, at most max_len tokens) takes d at the departure. gear_departure_point: the
+    departure's run (until d first falls below tau) takes the span's largest d, the rest of the
+    span 0; tokens outside spans keep their own d."""
+    T = len(valid)
+    onset, span_of, run_of = [False] * T, [-1] * T, [-1] * T
+    armed, start, in_run, below = True, -1, False, 0
+    for t in range(T):
+        if not valid[t]:
+            armed, start, in_run, below = True, -1, False, 0
+            continue
+        if cont[t]:
+            armed, start, in_run, below = True, -1, False, 0
+        below = below + 1 if d[t] < tau else 0
+        if below >= realign_len:  # realigned: the span ends before t
+            armed, start, in_run = True, -1, False
+        edge = d[t] >= tau and (cont[t] or d[t - 1] < tau)
+        if edge and armed:
+            onset[t], armed, start, in_run = True, False, t, True
+        if start >= 0 and t - start < max_len:
+            span_of[t] = start
+            in_run = in_run and d[t] >= tau
+            run_of[t] = start if in_run else -1
+        else:
+            in_run = False
+    source = [d[t] if valid[t] else 0.0 for t in range(T)]
+    seg_id = [-1] * T
+    starts = [t for t in range(T) if onset[t]]
+    owner = span_of if variant == "gear_departure" else run_of
+    for t in range(T):
+        if owner[t] >= 0:
+            seg_id[t] = starts.index(owner[t])
+        if variant == "gear_departure" and span_of[t] >= 0:
+            source[t] = d[span_of[t]]
+        elif variant == "gear_departure_point" and span_of[t] >= 0:
+            span_max = max(d[u] for u in range(T) if span_of[u] == span_of[t])
+            source[t] = span_max if run_of[t] >= 0 else 0.0
+    return onset, source, seg_id
+
+
+def _weights(
+    adv: float,
+    valid: list[bool],
+    source: list[float],
+    onset: list[bool],
+    seg_id: list[int],
+    modulation: str,
+    alpha: float,
+    beta: float,
+    preserve_mass: bool,
+    w_min: float,
+    w_max: float,
+) -> dict[str, list]:
+    """Spec §2.7-2.10 on a row's source values."""
+    T = len(valid)
     # 7. modulation
     sigma = (adv > 0) - (adv < 0)
     raw = []

@@ -87,24 +87,35 @@ def _inputs(
         _check(name, value, shape, "float")
 
     method = METHODS[params.method]
-    missing = [s for s in method.requires if signals.get(s) is None]
+    requires = method.requires
+    if params.contrast:
+        if "kl" not in requires:
+            raise ValueError(
+                f"CreditParams.contrast: credit method {params.method!r} uses no KL to contrast"
+            )
+        requires = (*requires, "contrast_kl")
+    missing = [s for s in requires if signals.get(s) is None]
     if missing:
-        raise ValueError(f"credit method {params.method!r} needs {missing}, which were not given")
+        what = f"credit method {params.method!r}" + (" with contrast" if params.contrast else "")
+        raise ValueError(f"{what} needs {missing}, which were not given")
 
     device = advantages.device
     valid = response_mask.to(device=device, dtype=torch.bool)
     fallback = torch.zeros(shape[0], dtype=torch.bool, device=device)
     cast: dict[str, Tensor | None] = {}
     for name, value in signals.items():
-        if value is None or name not in method.requires:
+        if value is None or name not in requires:
             cast[name] = None if value is None else value.to(device, torch.float64)
             continue
         value = value.to(device, torch.float64)
         bad_row = (valid & ~torch.isfinite(value)).any(dim=1)
         fallback |= bad_row
         cast[name] = torch.where(torch.isfinite(value), value, 0.0)
-    for name in method.requires:  # a fallback row carries no signal at all
+    for name in requires:  # a fallback row carries no signal at all
         cast[name] = torch.where(fallback[:, None], 0.0, cast[name])  # type: ignore[arg-type]
+    contrast_kl = cast.pop("contrast_kl")
+    if params.contrast:  # what this hint says beyond any hint: the excess over the contrast
+        cast["kl"] = (cast["kl"] - contrast_kl).clamp(min=0.0)  # type: ignore[operator]
     inputs = CreditInputs(
         advantages=advantages.to(torch.float64),
         valid=valid,
@@ -125,6 +136,7 @@ def credit_details(
     turn_starts: Tensor | None = None,
     student_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
+    contrast_kl: Tensor | None = None,
     params: CreditParams | None = None,
 ) -> CreditDetails:
     """Per-token advantages of `params.method` plus everything needed to log and render them.
@@ -136,6 +148,7 @@ def credit_details(
         entropy: (N, T) student entropy.
         turn_starts: (N, T) bool, first policy token of each assistant turn (optional).
         student_logprobs, teacher_logprobs: (N, T) log-probability of the sampled token.
+        contrast_kl: (N, T) KL to a teacher shown a wrong ground truth (`params.contrast`).
         params: `CreditParams`; default GEAR with the spec's defaults.
     Returns:
         `CreditDetails`. Rows whose needed signals are not finite on valid tokens get w = 1.
@@ -146,6 +159,7 @@ def credit_details(
         "entropy": entropy,
         "student_logprobs": student_logprobs,
         "teacher_logprobs": teacher_logprobs,
+        "contrast_kl": contrast_kl,
     }
     x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params)
     out = METHODS[params.method].fn(x, params)
@@ -183,6 +197,7 @@ def token_advantages(
     turn_starts: Tensor | None = None,
     student_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
+    contrast_kl: Tensor | None = None,
     params: CreditParams | None = None,
 ) -> Tensor:
     """(N, T) per-token advantages of `params.method`; see `credit_details` for the arguments."""
@@ -194,6 +209,7 @@ def token_advantages(
         turn_starts=turn_starts,
         student_logprobs=student_logprobs,
         teacher_logprobs=teacher_logprobs,
+        contrast_kl=contrast_kl,
         params=params,
     ).token_advantages
 

@@ -211,6 +211,54 @@ def gear_entropy_only(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return segmented(x, p, onsets, stops=rises)
 
 
+# --------------------------------------------------------------------------- first departure
+# Extensions (issue 27, docs/spec.md "Extensions"), not the paper's definition: a teacher that
+# knows the right answer disagrees with everything that follows a wrong step, often more than
+# with the step itself, so GEAR's "every spike opens a segment" puts blame on the consequences.
+
+
+def departures(x: CreditInputs, p: CreditParams) -> tuple[Tensor, Tensor]:
+    """Departure onsets and realignment stops, (N, T) bool each.
+
+    The student has *realigned* at t once `realign_len` consecutive tokens up to t lie below
+    `tau_onset`. A *departure* is the first KL rising edge (spec §2.4 without the entropy
+    re-arm) of a continuation or after a realignment; later spikes before the next
+    realignment belong to it and open nothing.
+    """
+    run = seg.below_run_length(x.kl_norm, x.valid, x.cont_start, p.tau_onset)
+    realigned = run >= p.realign_len
+    edges = seg.rising_edges(x.kl_norm, x.valid, x.cont_start, p.tau_onset)
+    onsets = seg.first_in_span(edges, realigned | ~x.valid | x.cont_start)
+    return onsets, realigned
+
+
+@register_method("gear_departure", requires=("kl",))
+def gear_departure(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """First departure: a departure's segment absorbs later spikes and runs until the student
+    realigns, the continuation ends or `max_segment_len`; it takes the departure's d~."""
+    onsets, realigned = departures(x, p)
+    return segmented(x, p, onsets, stops=realigned)
+
+
+@register_method("gear_departure_point", requires=("kl",))
+def gear_departure_point(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """The departure carries what it caused: its own run (the departure until d~ first falls
+    below `tau_onset`) takes the largest d~ of its span (departure to realignment); the rest
+    of the span takes 0, explained away by the departure; tokens outside spans keep d~_t."""
+    onsets, realigned = departures(x, p)
+    ends = ~x.valid | x.cont_start
+    span = seg.segment_owner(onsets, realigned | ends, p.max_segment_len)
+    run = seg.segment_owner(onsets, (x.kl_norm < p.tau_onset) | ends, p.max_segment_len)
+    span_max = seg.group_max(x.kl_norm, span)
+    source = torch.where(run >= 0, span_max, torch.where(span >= 0, 0.0, x.kl_norm))
+    return MethodOutput(
+        weights=modulate(source, x, p),
+        source=source,
+        onsets=onsets,
+        segment_ids=seg.segment_ids_from_owner(onsets, run),
+    )
+
+
 @register_method("turn", requires=("kl",))
 def turn(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Turn-level baseline: one segment per continuation (assistant turn); value = max d~."""

@@ -36,12 +36,27 @@ class CreditParams:
         default=0.5, metadata={"help": "Normalised-entropy onset threshold (gear_entropy_only)."}
     )
     fixed_len: int = field(default=32, metadata={"help": "Segment length of the 'fixed' method."})
+    realign_len: int = field(
+        default=8,
+        metadata={
+            "help": "gear_departure*: the student has realigned with the teacher after this many "
+            "consecutive tokens below tau_onset; a departure's segment ends there."
+        },
+    )
     rlsd_lambda: float = field(default=0.5, metadata={"help": "RLSD mixing weight, in [0, 1]."})
     rlsd_eps: float = field(default=0.2, metadata={"help": "RLSD ratio clip, in [0, 1)."})
     rho: float = field(
         default=0.2, metadata={"help": "Fraction of highest-entropy tokens kept (entropy_top)."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the 'random' method."})
+    contrast: bool = field(
+        default=False,
+        metadata={
+            "help": "Use max(kl - contrast_kl, 0) as the KL, where contrast_kl is the KL to a "
+            "teacher shown a wrong ground truth (an extension after RLCSD, arXiv 2606.11709): "
+            "disagreement the hint causes whatever its content is removed. Needs contrast_kl."
+        },
+    )
 
     def __post_init__(self) -> None:
         from gear.credit.methods import METHODS  # local: the registry imports this module
@@ -69,6 +84,8 @@ class CreditParams:
             raise bad("max_segment_len", "an integer >= 1")
         if int(self.fixed_len) != self.fixed_len or self.fixed_len < 1:
             raise bad("fixed_len", "an integer >= 1")
+        if int(self.realign_len) != self.realign_len or self.realign_len < 1:
+            raise bad("realign_len", "an integer >= 1")
         if not 0 <= self.alpha < 1:
             raise bad("alpha", "a number in [0, 1) so that every weight stays positive")
         if self.beta < 0:
@@ -81,8 +98,9 @@ class CreditParams:
             raise bad("rlsd_eps", "a number in [0, 1)")
         if not 0 < self.rho <= 1:
             raise bad("rho", "a number in (0, 1]")
-        if not isinstance(self.preserve_mass, bool):
-            raise bad("preserve_mass", "a bool")
+        for name in ("preserve_mass", "contrast"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -134,3 +134,30 @@ def group_max(values: Tensor, ids: Tensor) -> Tensor:
     table = torch.full((N, T + 1), -torch.inf, dtype=values.dtype, device=values.device)
     table.scatter_reduce_(1, slot, values, reduce="amax")
     return torch.where(ids >= 0, table.gather(1, slot), 0.0)
+
+
+def below_run_length(x_norm: Tensor, valid: Tensor, cont_start: Tensor, tau: float) -> Tensor:
+    """Length of the run of consecutive valid tokens with x~ < tau that ends at t (0 if x~_t >=
+    tau or t is invalid); a run never reaches back across a continuation start. (N, T) -> (N, T) long.
+    """
+    T = x_norm.shape[1]
+    pos = torch.arange(T, device=x_norm.device).expand_as(x_norm)
+    below = valid & (x_norm < tau)
+    # the run ending at t began after the last token that is not below, and at the latest
+    # at the continuation's first token
+    last_break = torch.where(~below, pos, -1).cummax(dim=1).values
+    cont_begin = torch.where(cont_start, pos, 0).cummax(dim=1).values
+    return torch.where(below, pos - torch.maximum(last_break, cont_begin - 1), 0)
+
+
+def first_in_span(candidates: Tensor, stops: Tensor) -> Tensor:
+    """The first candidate at or after each stop (and from t = 0): later candidates before the
+    next stop are dropped. A stop position may itself hold a candidate. (N, T) bool -> (N, T) bool.
+    """
+    T = candidates.shape[1]
+    pos = torch.arange(T, device=candidates.device).expand_as(candidates)
+    count = candidates.long().cumsum(dim=1)
+    last_stop = torch.where(stops, pos, -1).cummax(dim=1).values
+    before = (count - candidates.long()).gather(1, last_stop.clamp(min=0))
+    since = count - torch.where(last_stop >= 0, before, 0)
+    return candidates & (since == 1)
