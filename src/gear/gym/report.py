@@ -135,6 +135,7 @@ def localisation(
     failed = ~correct & (first_tok >= 0)
     s_logits = completion_logits(model, student, comp)
     t_logits = completion_logits(model, task.teacher_prompts(problems), comp)
+    c_logits = completion_logits(model, task.contrast_teacher_prompts(problems), comp)
     fake_step = torch.randint(0, task.length, (len(problems),), generator=gen)
     # the second placebo: the failed rows themselves, their first-error labels permuted among
     # them (same rows, same spread of error positions, label unrelated to the row)
@@ -159,7 +160,10 @@ def localisation(
                 continue
             p, c, st, tk = problems[rows], comp[rows], step[rows], tok[rows]
             adv = -torch.ones(len(p))
-            w = -credit(arm, task, p, c, adv, s_logits[rows], t_logits[rows], seed=seed)
+            w = -credit(
+                arm, task, p, c, adv, s_logits[rows], t_logits[rows], seed=seed,
+                contrast_logits=c_logits[rows],
+            )  # fmt: skip
             top = w >= w.max(dim=1, keepdim=True).values - 1e-9
             in_step = task.step_mask(st)
             pos = torch.arange(task.completion_len)[None, :]

@@ -79,6 +79,13 @@ class ChainTask:
         hint = torch.cat([self.results(problems), torch.full_like(problems[:, :1], ID[":"])], 1)
         return torch.cat([student[:, :1], hint, student[:, 1:]], dim=1)
 
+    def contrast_teacher_prompts(self, problems: Tensor) -> Tensor:
+        """Teacher prompt ids with a wrong ground truth: every reference result shifted by 5
+        mod 10, so the hint is wrong at every step (the contrast teacher of `contrast=true`)."""
+        hinted = self.teacher_prompts(problems).clone()
+        hinted[:, 1 : 1 + self.length] = (hinted[:, 1 : 1 + self.length] + 5) % 10
+        return hinted
+
     def references(self, problems: Tensor) -> Tensor:
         """(n, 6 * length) ids of the one right solution."""
         n, L = problems.shape[0], self.length

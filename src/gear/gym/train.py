@@ -155,16 +155,30 @@ def credit(
     teacher_logits: Tensor,
     seed: int,
     temperature: float = 1.0,
+    contrast_logits: Tensor | None = None,
 ) -> Tensor:
-    """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient)."""
+    """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient).
+
+    `contrast_logits`: the contrast teacher's (a wrong hint), needed when the arm's
+    `CreditParams.contrast` is on."""
     mask = torch.ones_like(completions, dtype=torch.bool)
-    sig = signals_from_logits(
-        student_logits.detach(),
-        teacher_logits,
-        completions,
-        temperature=temperature,
-        estimator=arm.estimator,
-    )
+    params = arm.params(seed)
+
+    def signals(teacher: Tensor) -> Any:
+        return signals_from_logits(
+            student_logits.detach(),
+            teacher,
+            completions,
+            temperature=temperature,
+            estimator=arm.estimator,
+        )
+
+    sig = signals(teacher_logits)
+    contrast_kl = None
+    if params.contrast:
+        if contrast_logits is None:
+            raise ValueError(f"arm {arm.name!r}: contrast=true needs the contrast teacher's logits")
+        contrast_kl = signals(contrast_logits).kl
     kl = sig.kl
     if arm.oracle:  # the first wrong step of failed rows only: a correct row stays plain GRPO
         wrong = task.step_mask(task.first_wrong_step(problems, completions)).float()
@@ -176,8 +190,21 @@ def credit(
         entropy=sig.entropy,
         student_logprobs=sig.student_logprobs,
         teacher_logprobs=sig.teacher_logprobs,
-        params=arm.params(seed),
+        contrast_kl=contrast_kl,
+        params=params,
     )
+
+
+@torch.no_grad()
+def teacher_logits(
+    model: Any, arm: Arm, task: ChainTask, problems: Tensor, completions: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """The teacher pass (current weights, hinted prompt, the same completion ids; spec §4) and,
+    for a `contrast` arm, a second one with a wrong hint. Returns (N, T, V) logits each."""
+    teacher = completion_logits(model, task.teacher_prompts(problems), completions)
+    if not arm.params(0).contrast:
+        return teacher, None
+    return teacher, completion_logits(model, task.contrast_teacher_prompts(problems), completions)
 
 
 def token_logprobs(logits: Tensor, completions: Tensor, temperature: float) -> Tensor:
@@ -221,11 +248,11 @@ def rl_step(
     if not bool(adv.abs().gt(0).any()):
         return out  # every group uniform: no signal, as in GRPO
     logits = completion_logits(model, prompts, comp)
-    with torch.no_grad():  # the teacher: the current weights, the hinted prompt (spec §4)
-        teacher_logits = completion_logits(model, task.teacher_prompts(rep), comp)
+    teacher, contrast = teacher_logits(model, arm, task, rep, comp)
+    with torch.no_grad():
         old_logp = token_logprobs(logits, comp, cfg.temperature)
     adv_tok = credit(
-        arm, task, rep, comp, adv, logits, teacher_logits, credit_seed, cfg.temperature
+        arm, task, rep, comp, adv, logits, teacher, credit_seed, cfg.temperature, contrast
     )
     loss = dapo_loss(logits, old_logp, comp, adv_tok.to(logits.dtype), cfg.epsilon, cfg.temperature)
     opt.zero_grad(set_to_none=True)
