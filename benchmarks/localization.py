@@ -57,6 +57,11 @@ METHODS = (
     "entropy_top", "rlsd", "grpo",
 )  # fmt: skip
 RANDOM_SEEDS = (0, 1, 2, 3, 4)
+#: the on-policy failures: 2- and 3-step problems
+NATURAL_MIX = {"multistep": 0.5, "chain": 0.5}
+#: the placebo's extra prompts: one-equation 2-digit problems the model often gets right, so
+#: their correct rollouts give the placebo enough rows (on NATURAL_MIX it is right 2.5% of the time)
+PLACEBO_MIX = {"2digit": 1.0}
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
 
 # --------------------------------------------------------------------------- cases (pure)
@@ -525,14 +530,17 @@ def run_natural(args: argparse.Namespace) -> None:
     from onpolicy import check_rollout, equation_spans, sample_groups
 
     torch.set_num_threads(args.threads)
-    task = ArithmeticTask(mix={"multistep": 0.5, "chain": 0.5})
-    rows = task.dataset("test", n=args.natural_prompts, seed=args.seed)
+    if args.placebo_set:  # easier prompts whose correct rollouts feed the placebo only
+        task, n, name = ArithmeticTask(mix=PLACEBO_MIX), args.placebo_prompts, "placebo"
+    else:
+        task, n, name = ArithmeticTask(mix=NATURAL_MIX), args.natural_prompts, "natural"
+    rows = task.dataset("test", n=n, seed=args.seed)
     model, tok = _load_model()
-    path = Path(args.cache) / "natural.pt"
+    path = Path(args.cache) / f"{name}.pt"
     done = _load_cache(path)
-    todo = [j for j in range(len(rows)) if f"natural-{j}" not in done]
+    todo = [j for j in range(len(rows)) if f"{name}-{j}" not in done]
     t0 = time.time()
-    print(f"natural: {len(done)} prompts cached, {len(todo)} to sample "
+    print(f"{name}: {len(done)} prompts cached, {len(todo)} to sample "
           f"({args.samples} samples, <= {args.max_new_tokens} tokens)", flush=True)  # fmt: skip
     for k in range(0, len(todo), args.prompts_per_call):
         part = todo[k : k + args.prompts_per_call]
@@ -543,13 +551,13 @@ def run_natural(args: argparse.Namespace) -> None:
             args.samples, args.max_new_tokens,
         )  # fmt: skip
         for j, gen in zip(part, groups, strict=True):
-            row, g = rows[j], f"natural-{j}"
+            row, g = rows[j], f"{name}-{j}"
             ids, cases = [], []
             for r in gen:
                 text = tok.decode(r, skip_special_tokens=True)
                 check = check_rollout(text, row["answer"], task)
-                if not check["correct"] and check["error"] is None:
-                    continue  # failed, but no checkable first error
+                if not check["correct"] and (check["error"] is None or args.placebo_set):
+                    continue  # failed without a checkable first error, or a placebo-set failure
                 case = Case("natural", g, row["prompt"], row["ground_truth"], text)
                 case.detail = {"level": row["level"], "truncated": tok.eos_token_id not in r}
                 if check["error"] is not None:
@@ -575,7 +583,7 @@ def run_natural(args: argparse.Namespace) -> None:
         all_recs = [r for v in done.values() for r in v]
         n_fail = sum("error" in r for r in all_recs)
         print(
-            f"natural: {len(done)}/{len(rows)} prompts, {n_fail} failed rows with a checked error, "
+            f"{name}: {len(done)}/{len(rows)} prompts, {n_fail} failed rows with a checked error, "
             f"{len(all_recs) - n_fail} correct rows, {time.time() - t0:.0f} s",
             flush=True,
         )
@@ -1171,6 +1179,11 @@ def main() -> None:
     ap.add_argument("--gsm8k", type=int, default=45, help="GSM8K problems (<= 5 errors each).")
     ap.add_argument("--arithmetic", type=int, default=150, help="Multistep problems (2 x 2 each).")
     ap.add_argument("--natural-prompts", type=int, default=40)
+    ap.add_argument(
+        "--placebo-set", action="store_true",
+        help="natural: sample the placebo set (easier 2-digit prompts, correct rows only used).",
+    )  # fmt: skip
+    ap.add_argument("--placebo-prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8, help="Samples per natural prompt.")
     ap.add_argument("--prompts-per-call", type=int, default=8, help="Prompts per generate call.")
     ap.add_argument("--max-new-tokens", type=int, default=64)
