@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import CreditParams
+from gear.credit.params import GYM_ONLY_FIELDS
 from gear.settings import setting
 from gear.teacher import HINT_KINDS, TEACHERS, TEXT_HINT_POSITIONS
 
@@ -52,7 +53,9 @@ TRL_FIELD_CHECKS: dict[str, Check] = {
     "save_total_limit": Check(ge=1, also=(None,)),
 }
 
-_CREDIT_FIELDS = {f.name: f for f in dataclasses.fields(CreditParams)}
+_CREDIT_FIELDS = {
+    f.name: f for f in dataclasses.fields(CreditParams) if f.name not in GYM_ONLY_FIELDS
+}
 
 
 def _credit_field(name: str) -> Any:
@@ -87,6 +90,7 @@ class GEARConfig(GRPOConfig):
     credit_w_max: float = _credit_field("w_max")
     credit_tau_entropy: float = _credit_field("tau_entropy")
     credit_fixed_len: int = _credit_field("fixed_len")
+    credit_realign_len: int = _credit_field("realign_len")
     credit_rlsd_lambda: float = _credit_field("rlsd_lambda")
     credit_rlsd_eps: float = _credit_field("rlsd_eps")
     credit_rho: float = _credit_field("rho")

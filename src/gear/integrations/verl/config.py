@@ -21,6 +21,7 @@ from typing import Any
 
 from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import METHODS, CreditParams
+from gear.credit.params import GYM_ONLY_FIELDS
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.settings import setting
 
@@ -33,7 +34,9 @@ VERL_ESTIMATORS: dict[str, str] = {
 TRAINER_MODE = "gear_sync"
 TEACHERS = ("current",)  # of gear.teacher.TEACHERS, the ones the verl integration runs
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
-_CREDIT_KEYS = tuple(f.name for f in fields(CreditParams) if f.name != "method")
+_CREDIT_KEYS = tuple(
+    f.name for f in fields(CreditParams) if f.name not in ("method", *GYM_ONLY_FIELDS)
+)
 
 
 class GearConfigError(ValueError):
