@@ -13,7 +13,8 @@ from gear.credit import METHODS, CreditParams, credit_details, register_method, 
 from gear.testing import gear_row
 
 SEGMENT_VARIANTS = [
-    "gear", "gear_token", "gear_kl_only", "gear_entropy_only", "gear_departure", "gear_departure_point",
+    "gear", "gear_token", "gear_kl_only", "gear_entropy_only",
+    "gear_departure", "gear_departure_point", "gear_departure_blame",
 ]  # fmt: skip
 FLOAT_KEYS = ("token_advantages", "weights", "source")
 

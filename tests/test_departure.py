@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gear.credit import CreditParams, credit_details, token_advantages
 from gear.testing import gear_row
 
-DEPARTURE = ["gear_departure", "gear_departure_point"]
+DEPARTURE = ["gear_departure", "gear_departure_point", "gear_departure_blame"]
 
 
 def details(kl, method, adv=-1.0, valid=None, turns=None, **kw):
@@ -51,6 +51,18 @@ def test_departure_point_puts_the_span_maximum_on_the_departure_and_explains_awa
     w = d.weights[0]
     assert int(w.argmax()) == 2  # A < 0: the most blame on the departure, not on the spike at 5
     assert w[5] < w[2]
+
+
+def test_departure_blame_places_a_failure_at_its_departure_and_leaves_a_success_token_level():
+    failed = details(ROW, "gear_departure_blame", adv=-1.0, realign_len=3)
+    point = details(ROW, "gear_departure_point", adv=-1.0, realign_len=3)
+    torch.testing.assert_close(failed.weights, point.weights, atol=0, rtol=0)
+    assert int(failed.weights[0].argmax()) == 2
+    ok = details(ROW, "gear_departure_blame", adv=1.0, realign_len=3)
+    token = details(ROW, "gear_token", adv=1.0)
+    torch.testing.assert_close(ok.weights, token.weights, atol=0, rtol=0)
+    assert ok.weights[0, 5] < ok.weights[0, 2] < ok.weights[0, 0]  # less credit where divergent
+    assert not ok.onsets.any()
 
 
 def test_realign_len_one_is_gear_kl_only():

@@ -68,7 +68,8 @@ def gear_row(
     realign_len: int = 8,
 ) -> dict[str, list]:
     """One row of spec §2. variant: gear | gear_token | gear_kl_only | gear_entropy_only, or
-    the first-departure extensions gear_departure | gear_departure_point (`departure_row`)."""
+    the first-departure extensions gear_departure | gear_departure_point (`departure_row`) |
+    gear_departure_blame (a failed row as gear_departure_point, any other as gear_token)."""
     T = len(valid)
     ts = turn_starts or [False] * T
     # 1. continuation starts
@@ -76,6 +77,10 @@ def gear_row(
     # 2. normalise
     d = normalise(kl, valid)
     h = normalise(ent, valid)
+    if variant == "gear_departure_blame" and not adv < 0:  # a success: token level
+        variant = "gear_token"
+    elif variant == "gear_departure_blame":  # a failure: its first departure
+        variant = "gear_departure_point"
     if variant in ("gear_departure", "gear_departure_point"):
         onset, source, seg_id = departure_row(
             variant, valid, cont, d, tau_onset, max_segment_len, realign_len

@@ -259,6 +259,22 @@ def gear_departure_point(x: CreditInputs, p: CreditParams) -> MethodOutput:
     )
 
 
+@register_method("gear_departure_blame", requires=("kl",))
+def gear_departure_blame(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """Sign-aware: a failed row (A < 0) is explained by its first departure
+    (`gear_departure_point`); a successful row had no error to place, so its tokens keep their
+    own d~_t (`gear_token`: credit moves away from each divergent token)."""
+    point = gear_departure_point(x, p)
+    failed = x.advantages[:, None] < 0
+    source = torch.where(failed, point.source, x.kl_norm)  # type: ignore[arg-type]
+    return MethodOutput(
+        weights=modulate(source, x, p),
+        source=source,
+        onsets=point.onsets & failed,  # type: ignore[operator]
+        segment_ids=torch.where(failed, point.segment_ids, -1),  # type: ignore[arg-type]
+    )
+
+
 @register_method("turn", requires=("kl",))
 def turn(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Turn-level baseline: one segment per continuation (assistant turn); value = max d~."""
