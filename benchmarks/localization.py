@@ -59,9 +59,9 @@ METHODS = (
 RANDOM_SEEDS = (0, 1, 2, 3, 4)
 #: the on-policy failures: 2- and 3-step problems
 NATURAL_MIX = {"multistep": 0.5, "chain": 0.5}
-#: the placebo's extra prompts: one-equation 2-digit problems the model often gets right, so
+#: the placebo's extra prompts: one-equation 1- and 2-digit problems the model gets right more often, so
 #: their correct rollouts give the placebo enough rows (on NATURAL_MIX it is right 2.5% of the time)
-PLACEBO_MIX = {"2digit": 1.0}
+PLACEBO_MIX = {"1digit": 0.5, "2digit": 0.5}
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
 
 # --------------------------------------------------------------------------- cases (pure)
@@ -1181,7 +1181,7 @@ def main() -> None:
     ap.add_argument("--natural-prompts", type=int, default=40)
     ap.add_argument(
         "--placebo-set", action="store_true",
-        help="natural: sample the placebo set (easier 2-digit prompts, correct rows only used).",
+        help="natural: sample the placebo set (easier 1- and 2-digit prompts, correct rows only used).",
     )  # fmt: skip
     ap.add_argument("--placebo-prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8, help="Samples per natural prompt.")
