@@ -174,3 +174,62 @@ def test_a_non_finite_contrast_row_falls_back_to_grpo():
     )  # fmt: skip
     assert d.fallback_rows.tolist() == [False, True]
     assert torch.all(d.weights[1] == 1) and not torch.all(d.weights[0] == 1)
+
+
+# ----------------------------------------------------------------------------- in the gym
+
+
+def test_the_contrast_teacher_sees_a_hint_wrong_at_every_step():
+    from gear.gym.task import ChainTask
+
+    task = ChainTask(4)
+    problems = task.problems(32, torch.Generator().manual_seed(0))
+    right, wrong = task.teacher_prompts(problems), task.contrast_teacher_prompts(problems)
+    hint = slice(1, 1 + task.length)
+    assert torch.all(wrong[:, hint] != right[:, hint])
+    assert torch.equal(wrong[:, hint], (right[:, hint] + 5) % 10)
+    rest = torch.ones(right.shape[1], dtype=torch.bool)
+    rest[hint] = False
+    assert torch.equal(wrong[:, rest], right[:, rest])
+
+
+def test_a_contrast_arm_against_an_identical_teacher_is_grpo_and_needs_its_logits():
+    from gear.gym.task import ChainTask
+    from gear.gym.train import credit, parse_arm
+
+    task = ChainTask(3)
+    g = torch.Generator().manual_seed(0)
+    problems = task.problems(4, g)
+    comp = torch.randint(0, 10, (4, task.completion_len), generator=g)
+    student = torch.randn(4, task.completion_len, 16, generator=g)
+    teacher = torch.randn(4, task.completion_len, 16, generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    arm = parse_arm("gear@contrast=true")
+    same = credit(arm, task, problems, comp, adv, student, teacher, 0, contrast_logits=teacher)
+    torch.testing.assert_close(same, adv[:, None].expand_as(same))  # no excess KL: GRPO
+    plain = credit(parse_arm("gear"), task, problems, comp, adv, student, teacher, 0)
+    assert not torch.allclose(plain, adv[:, None].expand_as(plain))
+    with pytest.raises(ValueError, match="contrast=true needs the contrast teacher"):
+        credit(arm, task, problems, comp, adv, student, teacher, 0)
+
+
+def test_the_gym_trains_and_reads_out_the_new_arms(tmp_path):
+    from gear.gym import run
+    from gear.gym.model import ModelConfig, WarmStart
+    from gear.gym.train import RLConfig
+
+    specs = ["grpo", "gear_departure_blame@estimator=k1", "gear_departure_point@contrast=true"]
+    result = run(
+        specs, seeds=2, steps=2, length=3,
+        rl=RLConfig(prompts=4, group=4, eval_every=1, eval_n=16),
+        model_cfg=ModelConfig(hidden=16, layers=1, heads=2),
+        warm=WarmStart(target=1.0, max_steps=10, check_every=5, eval_n=16, batch=16),
+        loc_prompts=4, cache=tmp_path, log=lambda _: None,
+    )  # fmt: skip
+    for spec in specs:
+        assert len(result["arms"][spec]["per_seed"]) == 2
+        assert f"{spec}-grpo" in result["paired"] or spec == "grpo"
+        assert (
+            "real" in result["localisation"]["arms"][spec]
+            or result["localisation"]["failures"] == 0
+        )
