@@ -66,6 +66,20 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
         assert logs["gear/kl_mean"] > 0 and logs["rewards/no_reward/mean"] == 0.0
 
 
+@pytest.mark.parametrize("method", ["gear_departure_point", "gear_departure_blame"])
+def test_first_departure_methods_train_with_the_sampled_token_kl(tmp_path, tok, method):
+    """The variants the gym recommends for study (issue 27) run in TRL with `kl_estimator: k1`."""
+    trainer = make_trainer(tmp_path, tok, credit_method=method, kl_estimator="k1")
+    assert trainer.args.credit_params.method == method
+    before = parameters(trainer.model)
+    trainer.train()
+    assert _changed(before, trainer.model)
+    logs = trainer.state.log_history[0]
+    for key in SPEC_METRICS:
+        assert key in logs and math.isfinite(logs[key]), key
+    assert logs["gear/onsets_per_row"] > 0
+
+
 def _rows_by_prompt(tok, data):
     """Rendered prompt ids -> dataset row."""
     out = {}
