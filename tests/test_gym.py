@@ -318,3 +318,46 @@ def test_gear_gym_command_passes_its_options_and_refuses_bad_counts(monkeypatch)
     seen.clear()
     res = CliRunner().invoke(app, ["gym", "--seeds", "0"])
     assert res.exit_code != 0 and "--seeds" in res.output and not seen
+
+
+def _result_with_names(names):
+    arm = {"final": 0.5, "final_ci": [0.4, 0.6], "final_accuracy": 0.5,
+           "steps_to_threshold": {"reached": 3, "of": 3}}  # fmt: skip
+    pair = {"mean": 0.01, "ci": [-0.01, 0.03], "wins": 2, "n": 3}
+    loc = {"real": {"hit_step": 0.3, "hit_step_or_next": 0.3, "hit_token": 0.1, "mass_lift": 1.0},
+           "placebo": {"hit_step": 0.25, "hit_step_or_next": 0.3}}  # fmt: skip
+    return {
+        "arms": {n: arm for n in names},
+        "paired": {f"{n}-grpo": pair for n in names if n != "grpo"},
+        "localisation": {
+            "failures": 9,
+            "placebo_rows": 4,
+            "chance_hit_step": 0.25,
+            "arms": {n: loc for n in names},
+        },
+    }
+
+
+def test_tables_stay_aligned_with_a_users_long_arm_name(monkeypatch):
+    """One line per arm, every line of a section as long as its header, and `gear gym`
+    prints it unwrapped (issue 29: columns shifted and a value wrapped onto a new line)."""
+    from typer.testing import CliRunner
+
+    import gear.gym
+    from gear.cli import app
+    from gear.gym import table
+
+    names = ["grpo", "mycredit:first_spike@tau_onset=0.05,estimator=k1"]
+    text = table(_result_with_names(names))
+    sections = [s.splitlines() for s in text.split("\n\n")]
+    assert [len(s) for s in sections] == [3, 2, 4]  # header + one line per arm (per pair)
+    for lines in (sections[0], sections[1], sections[2][1:]):
+        assert len({len(line) for line in lines}) == 1, lines
+    # each value starts in the column of its header (the numbers line up under "final")
+    col = sections[0][0].index("final") + len("final")
+    assert all(line[col - 5 : col] == "0.500" for line in sections[0][1:])
+
+    monkeypatch.setattr(gear.gym, "run", lambda methods, **kw: _result_with_names(names))
+    res = CliRunner().invoke(app, ["gym", "--methods", "grpo"], terminal_width=60)
+    assert res.exit_code == 0, res.output
+    assert text in res.output  # not wrapped at the terminal's width

@@ -398,7 +398,8 @@ def gym(
         methods or None, seeds=seeds, steps=steps, length=length, quick=quick,
         sweep=sweep or (), workers=workers, out=out, plot_dir=plots,
     )  # fmt: skip
-    console.print(gear.gym.table(result))
+    # plain text: rich would wrap long arm names at the terminal's width and read "[...]"
+    typer.echo(gear.gym.table(result))
 
 
 @app.command()

@@ -117,27 +117,33 @@ def _finite(x: Any) -> Any:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The result as plain-text tables: arms, paired differences, localisation."""
-    lines = [f"{'arm':<16}{'final':>8}{'95% CI':>18}{'sampled':>9}{'reached':>9}"]
-    for name, a in result["arms"].items():
+    """The result as plain-text tables: arms, paired differences, localisation.
+
+    The first column is as wide as its longest name, so a user's arm (`pkg.mod:method@k=v`)
+    keeps every column aligned; print it as plain text (no wrapping at a terminal's width)."""
+    arms, pairs = result["arms"], result["paired"]
+    loc = result["localisation"]
+    w_arm = max(16, *(len(n) + 2 for n in [*arms, *loc["arms"]]))
+    w_pair = max(22, *(len(n) + 2 for n in pairs)) if pairs else 22
+    lines = [f"{'arm':<{w_arm}}{'final':>8}{'95% CI':>18}{'sampled':>9}{'reached':>9}"]
+    for name, a in arms.items():
         lo, hi = a["final_ci"]
         st = a["steps_to_threshold"]
+        reached = f"{st['reached']}/{st['of']}"
         lines.append(
-            f"{name:<16}{a['final']:>8.3f}{f'[{lo:.3f}, {hi:.3f}]':>18}{a['final_accuracy']:>9.3f}"
-            f"{st['reached']:>5}/{st['of']}"
+            f"{name:<{w_arm}}{a['final']:>8.3f}{f'[{lo:.3f}, {hi:.3f}]':>18}"
+            f"{a['final_accuracy']:>9.3f}{reached:>9}"
         )
-    lines += ["", f"{'paired (final)':<22}{'mean':>8}{'95% CI':>20}{'wins':>7}"]
-    for name, d in result["paired"].items():
+    lines += ["", f"{'paired (final)':<{w_pair}}{'mean':>8}{'95% CI':>20}{'wins':>7}"]
+    for name, d in pairs.items():
         lo, hi = d["ci"]
-        lines.append(
-            f"{name:<22}{d['mean']:>+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>20}{d['wins']:>4}/{d['n']}"
-        )
-    loc = result["localisation"]
+        wins = f"{d['wins']}/{d['n']}"
+        lines.append(f"{name:<{w_pair}}{d['mean']:>+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>20}{wins:>7}")
     lines += [
         "",
         f"localisation: {loc['failures']} failures, {loc['placebo_rows']} placebo rows"
         f" (chance hit_step {loc['chance_hit_step']:.3f})",
-        f"{'arm':<16}{'hit_step':>10}{'placebo':>10}{'step|next':>11}{'placebo':>10}"
+        f"{'arm':<{w_arm}}{'hit_step':>10}{'placebo':>10}{'step|next':>11}{'placebo':>10}"
         f"{'hit_token':>11}{'mass_lift':>11}",
     ]
     for name, r in loc["arms"].items():
@@ -146,7 +152,9 @@ def table(result: dict[str, Any]) -> str:
             (real, "hit_step", 10), (plac, "hit_step", 10), (real, "hit_step_or_next", 11),
             (plac, "hit_step_or_next", 10), (real, "hit_token", 11), (real, "mass_lift", 11),
         ]  # fmt: skip
-        lines.append(f"{name:<16}" + "".join(f"{d.get(k, math.nan):>{w}.3f}" for d, k, w in cells))
+        lines.append(
+            f"{name:<{w_arm}}" + "".join(f"{d.get(k, math.nan):>{w}.3f}" for d, k, w in cells)
+        )
     return "\n".join(lines)
 
 
