@@ -304,11 +304,20 @@ def test_metrics_readers_take_each_step_once_the_last_record_winning(tmp_path):
     assert credit_steps(tmp_path) == [1]  # step_000003: rollouts of step 4, after the checkpoint
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_dir, tmp_path):
-    """SIGINT takes the same path as SIGTERM; in-process (CliRunner) to spare a subprocess."""
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_dir, tmp_path, inherited):
+    """SIGINT takes the same path as SIGTERM; in-process (CliRunner) to spare a subprocess.
+
+    `ignored`: a process started with `nohup ... &` inherits SIGINT ignored; gear still handles
+    Ctrl-C during a run and afterwards leaves the disposition it found (issue 29)."""
     from typer.testing import CliRunner
 
     from gear.cli import app
+
+    before = signal.getsignal(signal.SIGINT)
+    if inherited == "ignored":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    found = signal.getsignal(signal.SIGINT)
 
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"
@@ -323,13 +332,17 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_dir, tmp_path):
 
     threading.Thread(target=interrupt_after_the_first_step, daemon=True).start()
     args = ["train", "--model", str(tiny_dir), "--steps", "40", "--output-dir", str(run_dir)]
-    result = CliRunner().invoke(app, [*args, *tiny_run_args(eval_n=0, save_steps=1000)])
+    try:
+        result = CliRunner().invoke(app, [*args, *tiny_run_args(eval_n=0, save_steps=1000)])
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert result.exit_code == 130, result.output
     assert "stopped by SIGINT" in " ".join(result.output.split())
     saved = last_checkpoint(run_dir)
     assert saved is not None and int(saved.name.split("-")[1]) < 40
     assert_complete(saved)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert after is found  # the disposition gear found is restored
 
 
 def test_publish_replaces_an_existing_checkpoint_of_the_same_step(tmp_path):
