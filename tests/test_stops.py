@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gear.run_callbacks import STAGING, _publish, last_checkpoint
+from gear.run_callbacks import STAGING, _publish, last_checkpoint, read_metrics
 from gear.testing import save_tiny_model, tiny_run_args
 
 # what a complete HF checkpoint holds (trainer_state.json is written last but one)
@@ -205,6 +205,11 @@ def test_sigterm_during_a_periodic_evaluation_saves_the_step_it_follows(tiny_dir
     assert "stopping the evaluation" in run.output
     assert last_checkpoint(run_dir).name == "checkpoint-1", run.output
     assert trained_steps(run_dir) == [1] and eval_steps(run_dir) == []
+    # the checkpointed step keeps its full row (issue 29: the interrupted evaluation left the
+    # model in eval mode, so TRL logged the eval metrics, none, instead of the step's)
+    (row,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    for key in ("reward", "gear/kl_mean", "gear/onsets_per_row", "completions/mean_length"):
+        assert key in row, sorted(row)
     config = (run_dir / "config.yaml").read_text()
     resumed = GearTrain("--resume", str(run_dir))
     assert resumed.finish() == 0, resumed.output
@@ -387,3 +392,24 @@ def test_atomic_checkpoints_keep_the_ema_teachers_weights_in_the_published_check
         assert_complete(checkpoint)
         assert (checkpoint / "gear_teacher.safetensors").is_file()
     assert not (tmp_path / STAGING).exists()
+
+
+def test_an_evaluation_ended_by_a_signal_leaves_the_model_training(monkeypatch):
+    """Issue 29: a stop signal during a periodic evaluation left the model in eval mode, so
+    TRL's `log` read its (empty) eval metrics and the checkpointed step's metrics row lost
+    `reward`, `gear/*` and the completion statistics. The signal is raised inside generation."""
+    import gear.evaluate
+    from gear.models import tiny_model_and_tokenizer
+    from gear.run_callbacks import EvalInterrupted
+    from gear.tasks.arithmetic import ArithmeticTask
+
+    model, tok = tiny_model_and_tokenizer()
+    model.train()
+
+    def stopped(*args, **kwargs):
+        raise EvalInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(gear.evaluate, "generate", stopped)
+    with pytest.raises(EvalInterrupted):
+        gear.evaluate.evaluate(model, tok, ArithmeticTask(), n=2)
+    assert model.training

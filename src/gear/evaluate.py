@@ -128,24 +128,26 @@ def evaluate(
     was_training = model.training
     model.eval()
     results = []
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        outs = generate(
-            model,
-            tokenizer,
-            render_prompts(tokenizer, batch),
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            num_return_sequences=samples,
-        )
-        for row, completions in zip(batch, outs, strict=True):
-            correct = [task.is_correct(c, row["answer"]) for c in completions]
-            results.append(
-                {"answer": row["answer"], "completions": completions, "correct": correct}
+    try:  # restored also when a stop signal ends it: TRL logs a step's metrics by model.training
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start : start + batch_size]
+            outs = generate(
+                model,
+                tokenizer,
+                render_prompts(tokenizer, batch),
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                num_return_sequences=samples,
             )
-        if progress:
-            progress(min(start + batch_size, len(rows)), len(rows))
-    model.train(was_training)
+            for row, completions in zip(batch, outs, strict=True):
+                correct = [task.is_correct(c, row["answer"]) for c in completions]
+                results.append(
+                    {"answer": row["answer"], "completions": completions, "correct": correct}
+                )
+            if progress:
+                progress(min(start + batch_size, len(rows)), len(rows))
+    finally:
+        model.train(was_training)
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]
     pass_at = {
         k: sum(pass_at_k(samples, sum(r["correct"]), k) for r in results) / max(len(results), 1)
