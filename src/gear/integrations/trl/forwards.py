@@ -94,9 +94,15 @@ class Forwards:
         computed at the (B, T) `mask` positions (0 elsewhere). `student` / `teacher` give the
         LM heads (`teacher` None: the student's)."""
         with self.heads(student, teacher) as (ws, bs, wt, bt):
-            hs = student_hidden.to(ws.dtype)
-            ht = None if teacher_hidden is None else teacher_hidden.to(wt.dtype)
             separate = wt is not ws or bt is not bs
+            # The LM-head projections run in the run's precision, as TRL's own logits do under
+            # autocast (bf16: 4x faster on a CPU with AVX512-BF16); the kernel does the softmax
+            # and every reduction in float32. Weights are cast once, not once per chunk.
+            dtype = projection_dtype(self.accelerator, ws)
+            ws, bs = _cast(ws, bs, dtype)
+            wt, bt = _cast(wt, bt, dtype) if separate else (ws, bs)
+            hs = student_hidden.to(dtype)
+            ht = None if teacher_hidden is None else teacher_hidden.to(dtype)
             return signals_from_hidden(
                 hs,
                 ht,
@@ -111,6 +117,15 @@ class Forwards:
                 mask=mask,
                 **self.kernel_kwargs(),
             )
+
+
+def projection_dtype(accelerator: Any, weight: Tensor) -> torch.dtype:
+    """bfloat16 when the run trains in bf16 mixed precision, else the LM head's own dtype."""
+    return torch.bfloat16 if accelerator.mixed_precision == "bf16" else weight.dtype
+
+
+def _cast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def final_hidden(
