@@ -413,3 +413,67 @@ def test_an_evaluation_ended_by_a_signal_leaves_the_model_training(monkeypatch):
     with pytest.raises(EvalInterrupted):
         gear.evaluate.evaluate(model, tok, ArithmeticTask(), n=2)
     assert model.training
+
+
+def test_a_stop_during_a_periodic_evaluation_keeps_every_checkpointed_steps_full_row(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """Issue 29: `--steps 40 --set eval_every=2`, SIGTERM while the evaluation after step 2
+    generates: checkpoint-2 is saved and steps 1 and 2 each keep their full metrics row (step 2
+    had kept only loss, grad_norm, learning_rate and epoch). In-process, so that the signal
+    comes from inside generation; sent to a subprocess, it landed before, while the held-out
+    set was still being built, where the bug did not show."""
+    from typer.testing import CliRunner
+
+    import gear.evaluate
+    from gear.cli import app
+
+    generate = gear.evaluate.generate
+
+    def generate_then_stop(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # gear's handler raises here, mid-generation
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(gear.evaluate, "generate", generate_then_stop)
+    run_dir = without_eval_before(tmp_path / "run")
+    args = ["train", "--model", str(tiny_dir), "--steps", "40", "--output-dir", str(run_dir)]
+    args += tiny_run_args(eval_every=2, eval_n=2, save_steps=1000)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert "stopping the evaluation" in result.output
+    assert last_checkpoint(run_dir).name == "checkpoint-2", result.output
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and eval_steps(run_dir) == []
+    for row in rows:
+        for key in ("reward", "gear/kl_mean", "gear/onsets_per_row", "completions/mean_length"):
+            assert key in row, (row["step"], sorted(row))
+
+
+def test_an_evaluation_callback_ended_by_a_signal_hands_the_model_back_training(
+    tmp_path, monkeypatch
+):
+    """TRL logs the step after `EvalCallback` by `model.training`: however the evaluation ended
+    (here it stops with the model still in eval mode, as a signal inside evaluate's own restore
+    would leave it), the callback gives the trainer its model back training, and writes no
+    eval/accuracy for the step."""
+    import types
+
+    import torch
+
+    import gear.run_callbacks as rc
+
+    def interrupted(model, *args, **kwargs):
+        model.eval()
+        raise rc.EvalInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(rc, "evaluate_now", interrupted)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    cfg = types.SimpleNamespace(eval_every=2, eval_n=2)
+    callback = rc.EvalCallback(task=None, cfg=cfg, tokenizer=None, console=None,
+                               stop=rc.SignalStop())  # fmt: skip
+    state = types.SimpleNamespace(is_world_process_zero=True, global_step=2, max_steps=40)
+    control = types.SimpleNamespace(should_training_stop=False)
+    args = types.SimpleNamespace(output_dir=str(tmp_path))
+    callback.on_step_end(args, state, control, model=model)
+    assert all(m.training for m in model.modules())
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -418,7 +418,7 @@ class EvalCallback(TrainerCallback):
 
     stop: the run's `SignalStop`: no evaluation starts once a stop signal came, and one that
     runs ends at the signal (`EvalInterrupted`), so the step it follows is saved at once
-    instead of after one more step."""
+    instead of after one more step. Either way the model goes back to the mode it had."""
 
     def __init__(
         self, task: Any, cfg: Any, tokenizer: Any, console: Any, stop: SignalStop | None = None
@@ -438,6 +438,7 @@ class EvalCallback(TrainerCallback):
             and (self.stop is None or self.stop.signum is None)  # a stop signal: save now
         ):
             return
+        was_training = model.training
         try:
             with self.stop.evaluation() if self.stop is not None else contextlib.nullcontext():
                 if self.stop is not None and self.stop.signum is not None:
@@ -453,6 +454,10 @@ class EvalCallback(TrainerCallback):
                 )
         except EvalInterrupted:
             return  # SignalStop, the next callback, saves this step and stops
+        finally:
+            # TRL logs this step next, from the metrics of the mode model.training names: left
+            # in eval mode, the step's row would lose reward, gear/* and completion statistics
+            model.train(was_training)
         MetricsFile(Path(args.output_dir) / "metrics.jsonl").write(
             step, {"eval/accuracy": result["pass@1"]}
         )
