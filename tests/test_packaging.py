@@ -29,7 +29,9 @@ def test_recipes_live_in_the_package_and_resolve_by_name():
         assert config_path(name).parent == CONFIG_DIR
         cfg = resolve_config(name)  # every value checked against its field's type
         assert cfg.trainer["bf16"] == "auto"
-    with pytest.raises(ValueError, match=r"not one of gear's recipes: \['default', 'study'"):
+    with pytest.raises(
+        ValueError, match=r"not one of gear's recipes: \['default', 'paper', 'study'"
+    ):
         config_path("nope")
 
 

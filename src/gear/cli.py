@@ -6,7 +6,7 @@ gear train --method grpo --steps 20 --set learning_rate=2e-6
 gear train --resume runs/arithmetic-gear-seed0-...
 gear eval runs/arithmetic-gear-seed0-... --n 200
 gear inspect runs/arithmetic-gear-seed0-...
-gear compare --methods grpo --methods gear --seeds 0 --seeds 1 --steps 40
+gear compare --methods grpo --methods gear --config paper --seeds 0 --seeds 1 --steps 40
 ```
 """
 
@@ -406,7 +406,7 @@ def gym(
 def compare(
     methods: Annotated[
         list[str], typer.Option(help="Credit methods to compare (repeat the option).")
-    ] = ["grpo", "gear"],  # noqa: B006
+    ] = ["grpo", "gear_departure_blame"],  # noqa: B006
     seeds: Annotated[list[int], typer.Option(help="Seeds (repeat the option).")] = [0, 1, 2],  # noqa: B006
     config: Annotated[
         str | None, typer.Option(help="Base config (a file, or a shipped recipe: study).")
