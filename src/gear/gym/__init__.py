@@ -123,8 +123,8 @@ def table(result: dict[str, Any]) -> str:
     keeps every column aligned; print it as plain text (no wrapping at a terminal's width)."""
     arms, pairs = result["arms"], result["paired"]
     loc = result["localisation"]
-    w_arm = max(16, *(len(n) + 2 for n in [*arms, *loc["arms"]]))
-    w_pair = max(22, *(len(n) + 2 for n in pairs)) if pairs else 22
+    w_arm = max([16, *(len(n) + 2 for n in [*arms, *loc["arms"]])])
+    w_pair = max([22, *(len(n) + 2 for n in pairs)])
     lines = [f"{'arm':<{w_arm}}{'final':>8}{'95% CI':>18}{'sampled':>9}{'reached':>9}"]
     for name, a in arms.items():
         lo, hi = a["final_ci"]
