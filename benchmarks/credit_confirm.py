@@ -437,7 +437,7 @@ def decide(gym: dict[str, dict[str, Any]], lm: dict[str, Any]) -> dict[str, Any]
 
 
 def run_confirm(args: argparse.Namespace) -> None:
-    from gear.gym import run, table
+    from gear.gym import _finite, run, table  # _finite: NaN -> None, as gym.json
 
     if not CANDIDATES:
         sys.exit("no candidates registered: CANDIDATES is empty (the pre-registration fills it)")
@@ -478,16 +478,6 @@ def run_confirm(args: argparse.Namespace) -> None:
     path.write_text(json.dumps(_finite(result), indent=1) + "\n")
     print(json.dumps(_finite(decision), indent=1))
     print(f"wrote {path}")
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
 
 
 def machine() -> dict[str, Any]:
