@@ -1,0 +1,343 @@
+"""Issue 28: learning evidence on a real LM that can tell credit methods apart.
+
+SmolLM2-135M-Instruct (embedded) on 2- and 3-step arithmetic chains, whose first error the
+checker finds (`onpolicy.check_rollout`). A compact GRPO loop like the gym's, through gear's own
+pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
+(`localization.teacher_ids`, i.e. `gear.teacher`), `gear.credit.signals_from_logits`,
+`gear.credit.token_advantages` and TRL's `dapo` loss (`gear.gym.train.dapo_loss`).
+
+- **Metric (low noise):** the mean teacher-forced log-probability of the reference worked
+  solution (the task's `ground_truth`) under the policy, without the hint, on `eval_n` held-out
+  problems; sampled pass@1 (one sample at temperature 1) on the same problems beside it.
+- **Pairing:** the prompts of step k and the sampling seed of step k depend on (seed, k) only, so
+  two arms of one seed see the same prompts and the same random numbers.
+- **Positive control:** `oracle` (and `oracle_sharp`) feed the checker's first wrong equation, as
+  token indicator, to `gear_token` in place of the KL on failed rows: the negative weight lands on
+  it; correct rows stay plain GRPO.
+- **Resumable:** each finished (arm, seed) run is a JSON under runs/lm_credit/, keyed by
+  everything that determines it; a rerun reads it back (`reused_runs`).
+
+    OMP_NUM_THREADS=1 python benchmarks/lm_credit.py --arms grpo,oracle_sharp --seeds 0 1 --steps 12
+    python benchmarks/lm_credit.py --tiny ...   # a tiny random model (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import localization as loc  # noqa: E402
+import onpolicy  # noqa: E402
+
+RESULTS = HERE / "results"
+RUNS = HERE.parent / "runs" / "lm_credit"
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """One run's settings (everything but the arm and the seed)."""
+
+    steps: int = 12
+    prompts: int = 4  # per step
+    group: int = 8  # rollouts per prompt
+    max_new_tokens: int = 48
+    lr: float = 1e-5
+    eval_n: int = 300
+    temperature: float = 1.0
+    epsilon: float = 0.2
+    tiny: bool = False
+
+
+def load(tiny: bool) -> tuple[Any, Any]:
+    if tiny:
+        from gear.testing import tiny_model_and_tokenizer
+
+        model, tok = tiny_model_and_tokenizer()
+        return model.float(), tok
+    return loc._load_model()
+
+
+def task_rows(cfg: LMConfig) -> tuple[Any, list[dict], list[dict]]:
+    """The task, its training rows and the held-out rows (disjoint by the task's split)."""
+    from gear.tasks.arithmetic import ArithmeticTask
+
+    task = ArithmeticTask(mix=loc.NATURAL_MIX)
+    train = list(task.dataset("train", n=2000, seed=0))
+    test = list(task.dataset("test", n=cfg.eval_n, seed=1))
+    return task, train, test
+
+
+def step_prompts(train: list[dict], seed: int, step: int, n: int) -> list[dict]:
+    """The prompts of `step`: a function of (seed, step) only, never of the arm."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + step)
+    return [train[int(i)] for i in torch.randint(0, len(train), (n,), generator=g)]
+
+
+def padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, L) ids and mask."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = True
+    return ids, mask
+
+
+def completion_logits(model: Any, prompt: list[int], comps: list[list[int]], pad: int) -> Any:
+    """(G, T, V) logits predicting each completion token after one shared prompt."""
+    ids, mask = padded([prompt + c for c in comps], pad)
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits
+    T = max(len(c) for c in comps)
+    return logits[:, len(prompt) - 1 : len(prompt) - 1 + T]
+
+
+def first_error_mask(tok: Any, text: str, ids: list[int], task: Any, answer: str) -> list[bool]:
+    """Tokens of the checker's first wrong equation in a failed completion (none if it has no
+    checkable error or is correct)."""
+    check = onpolicy.check_rollout(text, answer, task)
+    out = [False] * len(ids)
+    if check["error"] is None:
+        return out
+    lo, hi = loc.char_to_token_span(loc.token_offsets(tok, ids), *check["error"]["step"])
+    for t in range(lo, min(hi, len(ids))):
+        out[t] = True
+    return out
+
+
+def arm_params(arm: str) -> tuple[Any, str, bool]:
+    """(CreditParams, estimator, oracle) of an arm spec (the gym's `parse_arm` syntax)."""
+    from gear.gym.train import parse_arm
+
+    a = parse_arm(arm)
+    return a.params(0), a.estimator, a.oracle
+
+
+def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -> dict:
+    """One GRPO step on `rows` (prompts x group rollouts). Returns metrics and what it saw."""
+    from gear.credit import token_advantages
+    from gear.credit.signals import signals_from_logits
+    from gear.gym.train import dapo_loss, group_advantages, token_logprobs
+
+    params, estimator, oracle = arm_params(arm)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompts = [loc.render(tok, r["prompt"]) for r in rows]
+    torch.manual_seed(sample_seed)
+    model.eval()
+    groups = onpolicy.sample_groups(model, tok, prompts, cfg.group, cfg.max_new_tokens,
+                                    cfg.temperature)  # fmt: skip
+    model.train()
+    texts = [[tok.decode(c, skip_special_tokens=True) for c in g] for g in groups]
+    rewards = torch.tensor(
+        [
+            float(task.is_correct(t, r["answer"]))
+            for r, ts in zip(rows, texts, strict=True)
+            for t in ts
+        ]
+    )
+    adv = group_advantages(rewards, cfg.group)
+    seen = {"prompts": [r["prompt"][-1]["content"] for r in rows], "first": groups[0][0]}
+    out = {"reward": float(rewards.mean()), "updated": 0.0, "seen": seen}
+    if not bool(adv.abs().gt(0).any()):
+        return out
+    n_tokens = sum(len(c) for g in groups for c in g)
+    opt.zero_grad(set_to_none=True)
+    for k, (r, comps) in enumerate(zip(rows, groups, strict=True)):
+        a = adv[k * cfg.group : (k + 1) * cfg.group]
+        if not bool(a.abs().gt(0).any()):
+            continue
+        ids, mask = padded(comps, pad)
+        s_logits = completion_logits(model, prompts[k], comps, pad)
+        with torch.no_grad():
+            t_logits = completion_logits(
+                model, loc.teacher_ids(tok, r["prompt"], r["ground_truth"]), comps, pad
+            )
+            sig = signals_from_logits(s_logits.detach(), t_logits, ids, estimator=estimator,
+                                      temperature=cfg.temperature, mask=mask)  # fmt: skip
+            old = token_logprobs(s_logits.detach(), ids, cfg.temperature)
+        kl = sig.kl
+        if oracle:  # the checker's first wrong equation on failed rows, nothing elsewhere
+            ind = [first_error_mask(tok, texts[k][j], comps[j], task, r["answer"])
+                   for j in range(len(comps))]  # fmt: skip
+            kl = padded([[float(x) for x in m] for m in ind], 0)[0].float()
+            kl = torch.where(mask, kl, 0.0) * (a < 0).float()[:, None]
+        adv_tok = token_advantages(
+            a, mask, kl=kl, entropy=sig.entropy, student_logprobs=sig.student_logprobs,
+            teacher_logprobs=sig.teacher_logprobs, params=params,
+        )  # fmt: skip
+        # dapo: summed over tokens, divided by the batch's token count (not this group's)
+        loss = dapo_loss(s_logits, old, ids, adv_tok.to(s_logits.dtype), cfg.epsilon,
+                         cfg.temperature) * ids.numel() / n_tokens  # fmt: skip
+        loss = torch.where(torch.isfinite(loss), loss, 0.0)
+        loss.backward()
+    opt.step()
+    out["updated"] = 1.0
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, tok, task, test: list[dict], seed: int, batch: int = 16) -> dict[str, float]:
+    """Mean teacher-forced log-probability of the reference solution (no hint) and sampled
+    pass@1 (one sample at temperature 1, seeded)."""
+    model.eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    logps = []
+    for i in range(0, len(test), batch):
+        for r in test[i : i + batch]:
+            prompt = loc.render(tok, r["prompt"])
+            ref = loc.completion_ids(tok, r["ground_truth"])
+            logits = completion_logits(model, prompt, [ref], pad)[0]
+            lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ref)[:, None])
+            logps.append(float(lp.sum()))
+    torch.manual_seed(seed)
+    right = 0
+    prompts = [loc.render(tok, r["prompt"]) for r in test]
+    for i in range(0, len(test), batch):
+        outs = onpolicy.sample_groups(model, tok, prompts[i : i + batch], 1, 48)
+        for r, g in zip(test[i : i + batch], outs, strict=True):
+            right += bool(task.is_correct(tok.decode(g[0], skip_special_tokens=True), r["answer"]))
+    model.train()
+    return {"logp": sum(logps) / len(logps), "pass1": right / len(test)}
+
+
+def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
+    files = [Path(__file__), HERE / "onpolicy.py", HERE / "localization.py"]
+    files += sorted((HERE.parent / "src" / "gear" / "credit").glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(f.read_bytes())
+    blob = {"arm": arm, "seed": seed, "cfg": asdict(cfg), "code": h.hexdigest(),
+            "torch": torch.__version__}  # fmt: skip
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train_arm(arm: str, seed: int, cfg: LMConfig, log: Any = print) -> dict[str, Any]:
+    """One (arm, seed) run from the embedded weights; paired by (seed, step)."""
+    t0 = time.perf_counter()
+    model, tok = load(cfg.tiny)
+    task, train, test = task_rows(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    curve = [{"step": 0, **evaluate(model, tok, task, test, seed=7_919 + seed)}]
+    seen, rewards = [], []
+    for step in range(1, cfg.steps + 1):
+        rows = step_prompts(train, seed, step, cfg.prompts)
+        m = rl_step(model, tok, opt, task, rows, arm, cfg, sample_seed=100_003 * seed + step)
+        seen.append(m.pop("seen"))
+        rewards.append(m["reward"])
+        log(f"lm_credit: {arm} seed {seed} step {step}/{cfg.steps} reward {m['reward']:.3f} "
+            f"{(time.perf_counter() - t0) / step:.1f} s/step", flush=True)  # fmt: skip
+    curve.append({"step": cfg.steps, **evaluate(model, tok, task, test, seed=7_919 + seed)})
+    log(f"lm_credit: {arm} seed {seed} done: logp {curve[0]['logp']:.3f} -> {curve[-1]['logp']:.3f}"
+        f", pass@1 {curve[0]['pass1']:.3f} -> {curve[-1]['pass1']:.3f}", flush=True)  # fmt: skip
+    return {"arm": arm, "seed": seed, "curve": curve, "rewards": rewards, "seen": seen,
+            "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def run(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> dict[str, Any]:
+    """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds."""
+    from gear.gym.report import t_interval
+
+    t0 = time.perf_counter()
+    runs.mkdir(parents=True, exist_ok=True)
+    results, reused = {}, []
+    for seed in seeds:
+        for arm in arms:
+            path = runs / f"{run_key(arm, seed, cfg)}.json"
+            if path.is_file():
+                results[(arm, seed)] = json.loads(path.read_text())
+                reused.append(f"{arm}/seed{seed}")
+                continue
+            res = train_arm(arm, seed, cfg)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(res))
+            tmp.replace(path)  # atomic: a killed run leaves no half-written result
+            results[(arm, seed)] = res
+    final = {k: v["curve"][-1] for k, v in results.items()}
+    paired = {}
+    for arm in arms:
+        if arm == "grpo":
+            continue
+        for metric in ("logp", "pass1"):
+            d = [final[(arm, s)][metric] - final[("grpo", s)][metric] for s in seeds]
+            t = t_interval(d)
+            paired.setdefault(f"{arm}-grpo", {})[metric] = {
+                "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
+    return {
+        "arms": arms, "seeds": seeds, "steps": cfg.steps, "eval_n": cfg.eval_n,
+        "config": asdict(cfg),
+        "metric": "mean teacher-forced log-probability of the reference solution (no hint) on "
+        "eval_n held-out problems; pass1: one sample at temperature 1",
+        "final": {f"{a}/seed{s}": v for (a, s), v in final.items()},
+        "paired": paired, "reused_runs": reused,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": {"platform": platform.platform(),
+                    "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+    }  # fmt: skip
+
+
+def power(sd: float, n_needed_for: float, alpha: float = 0.05, target: float = 0.8) -> int:
+    """Seeds for `target` power to detect a paired mean of `n_needed_for` with SD `sd`."""
+    from scipy import stats
+
+    for n in range(3, 500):
+        df = n - 1
+        ncp = abs(n_needed_for) / (sd / math.sqrt(n))
+        crit = stats.t.ppf(1 - alpha / 2, df)
+        if 1 - stats.nct.cdf(crit, df, ncp) >= target:
+            return n
+    return 500
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--arms", default="grpo,oracle_sharp")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--eval-n", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "lm_credit.json")
+    ap.add_argument("--runs", type=Path, default=RUNS)
+    a = ap.parse_args(argv)
+    for name in ("steps", "prompts", "eval_n"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: expected an integer >= 1")
+    if a.group < 2:
+        ap.error("--group: expected an integer >= 2 (GRPO's std needs two)")
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    if "grpo" not in arms:
+        ap.error("--arms: grpo is the reference every arm is paired with; include it")
+    for arm in arms:
+        arm_params(arm)  # a bad arm fails now, not mid-grid
+    cfg = LMConfig(steps=a.steps, prompts=a.prompts, group=a.group, eval_n=a.eval_n, lr=a.lr,
+                   tiny=a.tiny)  # fmt: skip
+    result = run(arms, a.seeds, cfg, a.runs)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    for k, v in result["paired"].items():
+        print(
+            k, {m: f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" for m, d in v.items()}
+        )
+    print(f"wrote {a.out} ({result['wall_s']} s, {result['machine']['cpu_capability']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The real-LM credit benchmark (issue 28), tiny: pairing, the oracle's weights, an update, resume.
+
+Runs `benchmarks/lm_credit.py` on a tiny random model (no download) for one or two steps."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import lm_credit as lc
+
+TINY = lc.LMConfig(steps=1, prompts=2, group=4, max_new_tokens=8, eval_n=4, tiny=True)
+
+
+@pytest.fixture
+def every_other_right(monkeypatch):
+    """A reward that varies within each group (a tiny random model is never right), so GRPO
+    has advantages to work with."""
+    from gear.tasks.arithmetic import ArithmeticTask
+
+    calls = {"n": 0}
+
+    def is_correct(self, text, answer):
+        calls["n"] += 1
+        return calls["n"] % 2 == 0
+
+    monkeypatch.setattr(ArithmeticTask, "is_correct", is_correct)
+
+
+def test_two_arms_of_one_seed_see_the_same_prompts_and_samples(every_other_right):
+    a = lc.train_arm("grpo", 3, TINY, log=lambda *a, **k: None)
+    b = lc.train_arm("oracle_sharp", 3, TINY, log=lambda *a, **k: None)
+    assert a["seen"] == b["seen"]  # prompts and the first rollout of step 1
+    c = lc.train_arm("grpo", 4, TINY, log=lambda *a, **k: None)
+    assert c["seen"][0]["prompts"] != a["seen"][0]["prompts"]  # another seed, other prompts
+
+
+def test_the_oracle_puts_a_failed_rows_weight_on_the_checkers_first_wrong_equation():
+    from gear.credit import token_advantages
+    from gear.tasks.arithmetic import ArithmeticTask
+
+    _, tok = lc.load(tiny=True)
+    task = ArithmeticTask(mix={"chain": 1.0})
+    text = "12 + 5 = 18, then 18 + 3 = 21. The answer is 21."
+    ids = lc.loc.completion_ids(tok, text)
+    mask = lc.first_error_mask(tok, text, ids, task, answer="20")
+    marked = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert marked.strip() == "12 + 5 = 18"  # the first wrong equation, and nothing else
+    params, _, oracle = lc.arm_params("oracle_sharp")
+    assert oracle
+    kl = torch.tensor([mask], dtype=torch.float32)
+    w = -token_advantages(torch.tensor([-1.0]), torch.ones(1, len(ids), dtype=torch.bool),
+                          kl=kl, entropy=kl, params=params)[0]  # fmt: skip
+    on = torch.tensor(mask)
+    assert float(w[on].sum() / w.sum()) > 0.9 and float(w[on].min()) > float(w[~on].max())
+
+
+def test_a_step_changes_the_parameters(every_other_right):
+    model, tok = lc.load(tiny=True)
+    task, train, _ = lc.task_rows(TINY)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rows = lc.step_prompts(train, 0, 1, TINY.prompts)
+    out = lc.rl_step(model, tok, opt, task, rows, "gear_departure_blame@estimator=k1", TINY, 0)
+    assert out["updated"] == 1.0
+    assert any(not torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
+
+
+def test_a_rerun_reads_finished_runs_back(tmp_path):
+    cfg = replace(TINY, eval_n=2)
+    first = lc.run(["grpo", "oracle_sharp"], [0], cfg, runs=tmp_path)
+    again = lc.run(["grpo", "oracle_sharp"], [0], cfg, runs=tmp_path)
+    assert first["reused_runs"] == [] and again["reused_runs"] == [
+        "grpo/seed0",
+        "oracle_sharp/seed0",
+    ]
+    assert again["final"] == first["final"]
+    assert {"arms", "seeds", "steps", "eval_n", "metric", "paired", "wall_s", "machine"} <= set(
+        again
+    )
