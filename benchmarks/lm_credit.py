@@ -58,6 +58,7 @@ class LMConfig:
     temperature: float = 1.0
     epsilon: float = 0.2
     tiny: bool = False
+    read_at: tuple[int, ...] = ()  # extra steps where the primary metric (only) is read
 
 
 def load(tiny: bool) -> tuple[Any, Any]:
@@ -188,9 +189,11 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
 
 
 @torch.no_grad()
-def evaluate(model, tok, task, test: list[dict], seed: int, batch: int = 16) -> dict[str, float]:
-    """Mean teacher-forced log-probability of the reference solution (no hint) and sampled
-    pass@1 (one sample at temperature 1, seeded)."""
+def evaluate(
+    model, tok, task, test: list[dict], seed: int, batch: int = 16, pass1: bool = True
+) -> dict[str, float]:
+    """Mean teacher-forced log-probability of the reference solution (no hint) and, if `pass1`,
+    sampled pass@1 (one sample at temperature 1, seeded)."""
     model.eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     logps = []
@@ -201,6 +204,9 @@ def evaluate(model, tok, task, test: list[dict], seed: int, batch: int = 16) -> 
             logits = completion_logits(model, prompt, [ref], pad)[0]
             lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ref)[:, None])
             logps.append(float(lp.sum()))
+    if not pass1:
+        model.train()
+        return {"logp": sum(logps) / len(logps)}
     torch.manual_seed(seed)
     right = 0
     prompts = [loc.render(tok, r["prompt"]) for r in test]
@@ -224,13 +230,33 @@ def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def train_arm(arm: str, seed: int, cfg: LMConfig, log: Any = print) -> dict[str, Any]:
+def base_eval(seed: int, cfg: LMConfig, runs: Path | None = None) -> dict[str, float]:
+    """The step-0 evaluation of `seed`: every arm starts from the same weights and reads
+    pass@1 with the same sampling seed, so it is computed once per seed (kept in `runs`)."""
+    path = None
+    if runs is not None:
+        only = LMConfig(steps=0, eval_n=cfg.eval_n, tiny=cfg.tiny)  # what step 0 depends on
+        path = runs / f"base-{run_key('<base>', seed, only)}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    model, tok = load(cfg.tiny)
+    task, _, test = task_rows(cfg)
+    out = evaluate(model, tok, task, test, seed=7_919 + seed)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out))
+    return out
+
+
+def train_arm(
+    arm: str, seed: int, cfg: LMConfig, log: Any = print, runs: Path | None = None
+) -> dict[str, Any]:
     """One (arm, seed) run from the embedded weights; paired by (seed, step)."""
     t0 = time.perf_counter()
+    curve = [{"step": 0, **base_eval(seed, cfg, runs)}]
     model, tok = load(cfg.tiny)
     task, train, test = task_rows(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    curve = [{"step": 0, **evaluate(model, tok, task, test, seed=7_919 + seed)}]
     seen, rewards = [], []
     for step in range(1, cfg.steps + 1):
         rows = step_prompts(train, seed, step, cfg.prompts)
@@ -239,6 +265,11 @@ def train_arm(arm: str, seed: int, cfg: LMConfig, log: Any = print) -> dict[str,
         rewards.append(m["reward"])
         log(f"lm_credit: {arm} seed {seed} step {step}/{cfg.steps} reward {m['reward']:.3f} "
             f"{(time.perf_counter() - t0) / step:.1f} s/step", flush=True)  # fmt: skip
+        if step in cfg.read_at and step != cfg.steps:
+            curve.append({"step": step, **evaluate(model, tok, task, test, 0, pass1=False)})
+            log(
+                f"lm_credit: {arm} seed {seed} step {step} logp {curve[-1]['logp']:.3f}", flush=True
+            )
     curve.append({"step": cfg.steps, **evaluate(model, tok, task, test, seed=7_919 + seed)})
     log(f"lm_credit: {arm} seed {seed} done: logp {curve[0]['logp']:.3f} -> {curve[-1]['logp']:.3f}"
         f", pass@1 {curve[0]['pass1']:.3f} -> {curve[-1]['pass1']:.3f}", flush=True)  # fmt: skip
@@ -260,13 +291,13 @@ def run(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> 
                 results[(arm, seed)] = json.loads(path.read_text())
                 reused.append(f"{arm}/seed{seed}")
                 continue
-            res = train_arm(arm, seed, cfg)
+            res = train_arm(arm, seed, cfg, runs=runs)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(res))
             tmp.replace(path)  # atomic: a killed run leaves no half-written result
             results[(arm, seed)] = res
     final = {k: v["curve"][-1] for k, v in results.items()}
-    paired = {}
+    paired, at_steps = {}, {}
     for arm in arms:
         if arm == "grpo":
             continue
@@ -275,13 +306,18 @@ def run(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> 
             t = t_interval(d)
             paired.setdefault(f"{arm}-grpo", {})[metric] = {
                 "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
+        for step in sorted(set(cfg.read_at) - {cfg.steps}):
+            at = {k: {c["step"]: c["logp"] for c in v["curve"]} for k, v in results.items()}
+            t = t_interval([at[(arm, s)][step] - at[("grpo", s)][step] for s in seeds])
+            at_steps.setdefault(f"{arm}-grpo", {})[str(step)] = {
+                "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
     return {
         "arms": arms, "seeds": seeds, "steps": cfg.steps, "eval_n": cfg.eval_n,
         "config": asdict(cfg),
         "metric": "mean teacher-forced log-probability of the reference solution (no hint) on "
         "eval_n held-out problems; pass1: one sample at temperature 1",
         "final": {f"{a}/seed{s}": v for (a, s), v in final.items()},
-        "paired": paired, "reused_runs": reused,
+        "paired": paired, "paired_logp_at_step": at_steps, "reused_runs": reused,
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": {"platform": platform.platform(),
                     "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
@@ -312,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--eval-n", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--read-at", type=int, nargs="*", default=[],
+                    help="extra steps where the primary metric (only) is read")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
     ap.add_argument("--out", type=Path, default=RESULTS / "lm_credit.json")
     ap.add_argument("--runs", type=Path, default=RUNS)
@@ -326,8 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--arms: grpo is the reference every arm is paired with; include it")
     for arm in arms:
         arm_params(arm)  # a bad arm fails now, not mid-grid
+    if any(not 1 <= k <= a.steps for k in a.read_at):
+        ap.error(f"--read-at: expected steps in 1..{a.steps}")
     cfg = LMConfig(steps=a.steps, prompts=a.prompts, group=a.group, eval_n=a.eval_n, lr=a.lr,
-                   tiny=a.tiny)  # fmt: skip
+                   tiny=a.tiny, read_at=tuple(sorted(set(a.read_at))))  # fmt: skip
     result = run(arms, a.seeds, cfg, a.runs)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")

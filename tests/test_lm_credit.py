@@ -4,6 +4,7 @@ Runs `benchmarks/lm_credit.py` on a tiny random model (no download) for one or t
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -83,3 +84,16 @@ def test_a_rerun_reads_finished_runs_back(tmp_path):
     assert {"arms", "seeds", "steps", "eval_n", "metric", "paired", "wall_s", "machine"} <= set(
         again
     )
+
+
+def test_arms_of_a_seed_share_one_step0_evaluation_and_read_the_metric_where_asked(
+    tmp_path, every_other_right
+):
+    cfg = replace(TINY, steps=2, eval_n=2, read_at=(1,))
+    out = lc.run(["grpo", "oracle_sharp"], [0], cfg, runs=tmp_path)
+    assert len(list(tmp_path.glob("base-*.json"))) == 1  # computed once for the seed
+    runs = [json.loads(p.read_text()) for p in tmp_path.glob("[!b]*.json")]
+    assert runs[0]["curve"][0] == runs[1]["curve"][0]
+    assert [[c["step"] for c in r["curve"]] for r in runs] == [[0, 1, 2]] * 2
+    assert set(runs[0]["curve"][1]) == {"step", "logp"}  # the primary metric only
+    assert set(out["paired_logp_at_step"]["oracle_sharp-grpo"]) == {"1"}
