@@ -257,12 +257,13 @@ def train_arm(
     model, tok = load(cfg.tiny)
     task, train, test = task_rows(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    seen, rewards = [], []
+    seen, rewards, updated = [], [], []
     for step in range(1, cfg.steps + 1):
         rows = step_prompts(train, seed, step, cfg.prompts)
         m = rl_step(model, tok, opt, task, rows, arm, cfg, sample_seed=100_003 * seed + step)
         seen.append(m.pop("seen"))
         rewards.append(m["reward"])
+        updated.append(m["updated"])
         log(f"lm_credit: {arm} seed {seed} step {step}/{cfg.steps} reward {m['reward']:.3f} "
             f"{(time.perf_counter() - t0) / step:.1f} s/step", flush=True)  # fmt: skip
         if step in cfg.read_at and step != cfg.steps:
@@ -273,7 +274,7 @@ def train_arm(
     curve.append({"step": cfg.steps, **evaluate(model, tok, task, test, seed=7_919 + seed)})
     log(f"lm_credit: {arm} seed {seed} done: logp {curve[0]['logp']:.3f} -> {curve[-1]['logp']:.3f}"
         f", pass@1 {curve[0]['pass1']:.3f} -> {curve[-1]['pass1']:.3f}", flush=True)  # fmt: skip
-    return {"arm": arm, "seed": seed, "curve": curve, "rewards": rewards, "seen": seen,
+    return {"arm": arm, "seed": seed, "curve": curve, "rewards": rewards, "updated": updated, "seen": seen,
             "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
