@@ -15,7 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import lm_credit as lc
 
-TINY = lc.LMConfig(steps=1, prompts=2, group=4, max_new_tokens=8, eval_n=4, tiny=True)
+TINY = lc.LMConfig(
+    steps=1, prompts=2, group=4, max_new_tokens=8, eval_n=4, tiny=True, warm_steps=1, warm_batch=2
+)
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def test_the_oracle_puts_a_failed_rows_weight_on_the_checkers_first_wrong_equati
     ids = lc.loc.completion_ids(tok, text)
     mask = lc.first_error_mask(tok, text, ids, task, answer="20")
     marked = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
-    assert marked.strip() == "12 + 5 = 18"  # the first wrong equation, and nothing else
+    assert marked.strip() == "18"  # the first wrong equation's result, and nothing else
     params, _, oracle = lc.arm_params("oracle_sharp")
     assert oracle
     kl = torch.tensor([mask], dtype=torch.float32)
@@ -97,3 +99,16 @@ def test_arms_of_a_seed_share_one_step0_evaluation_and_read_the_metric_where_ask
     assert [[c["step"] for c in r["curve"]] for r in runs] == [[0, 1, 2]] * 2
     assert set(runs[0]["curve"][1]) == {"step", "logp"}  # the primary metric only
     assert set(out["paired_logp_at_step"]["oracle_sharp-grpo"]) == {"1"}
+
+
+def test_the_warm_start_trains_and_is_read_back_identically(tmp_path):
+    cold, _ = lc.load(tiny=True)
+    warm, _ = lc.warm_model(TINY, runs=tmp_path, log=lambda *a, **k: None)
+    assert len(list(tmp_path.glob("warm-*.pt"))) == 1
+    assert any(
+        not torch.equal(a, b) for a, b in zip(cold.parameters(), warm.parameters(), strict=True)
+    )
+    again, _ = lc.warm_model(TINY, runs=tmp_path, log=lambda *a, **k: None)
+    assert all(
+        torch.equal(a, b) for a, b in zip(warm.parameters(), again.parameters(), strict=True)
+    )
