@@ -112,3 +112,26 @@ def test_the_warm_start_trains_and_is_read_back_identically(tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(warm.parameters(), again.parameters(), strict=True)
     )
+
+
+def test_power_is_alpha_at_no_effect_and_the_mde_is_what_n_detects():
+    assert abs(lc.power_at(0.0, 1.0, 12) - 0.05) < 1e-9
+    m = lc.mde(1.0, 12)
+    assert abs(lc.power_at(m, 1.0, 12) - 0.8) < 1e-6
+    assert lc.power(1.0, m * 1.01) == 12 < lc.power(1.0, m * 0.95)
+
+
+def test_two_workers_give_the_numbers_of_one(tmp_path):
+    # the real checker (a monkeypatched reward would not reach spawned workers); seeds differ in
+    # their sampled pass@1 seeds and prompts, so a run filed under the wrong seed would show
+    cfg = replace(TINY, eval_n=2, steps=2, read_at=(1,))
+    one = lc.run(["grpo", "oracle_sharp"], [0, 1], cfg, runs=tmp_path / "one")
+    two = lc.run(["grpo", "oracle_sharp"], [0, 1], cfg, runs=tmp_path / "two", workers=2)
+    assert two["final"] == one["final"] and two["reused_runs"] == []
+    assert len(list((tmp_path / "two").glob("base-*.json"))) == 2
+    runs = [json.loads(p.read_text()) for p in (tmp_path / "two").glob("[!bw]*.json")]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
+        (a, s) for a in ("grpo", "oracle_sharp") for s in (0, 1)
+    )
+    lc.plot(two, tmp_path / "paired.png")
+    assert (tmp_path / "paired.png").stat().st_size > 10_000
