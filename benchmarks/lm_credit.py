@@ -266,6 +266,17 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
     return out
 
 
+def summary(logps: list[float]) -> dict[str, Any]:
+    """The primary metric (mean log-probability of the reference solution), the mean probability
+    (the gym's expected accuracy, not dominated by a few problems whose log-probability falls)
+    and the per-problem values (4 decimals) for any later paired-by-problem reading."""
+    return {
+        "logp": sum(logps) / len(logps),
+        "prob": sum(math.exp(x) for x in logps) / len(logps),
+        "logp_each": [round(x, 4) for x in logps],
+    }
+
+
 @torch.no_grad()
 def evaluate(
     model, tok, task, test: list[dict], seed: int, batch: int = 16, pass1: bool = True
@@ -284,7 +295,7 @@ def evaluate(
             logps.append(float(lp.sum()))
     if not pass1:
         model.train()
-        return {"logp": sum(logps) / len(logps)}
+        return summary(logps)
     torch.manual_seed(seed)
     right = 0
     prompts = [loc.render(tok, r["prompt"]) for r in test]
@@ -293,7 +304,7 @@ def evaluate(
         for r, g in zip(test[i : i + batch], outs, strict=True):
             right += bool(task.is_correct(tok.decode(g[0], skip_special_tokens=True), r["answer"]))
     model.train()
-    return {"logp": sum(logps) / len(logps), "pass1": right / len(test)}
+    return {**summary(logps), "pass1": right / len(test)}
 
 
 def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
@@ -406,7 +417,7 @@ def run(
     for arm in arms:
         if arm == "grpo":
             continue
-        for metric in ("logp", "pass1"):
+        for metric in ("logp", "prob", "pass1"):
             d = [final[(arm, s)][metric] - final[("grpo", s)][metric] for s in seeds]
             t = t_interval(d)
             paired.setdefault(f"{arm}-grpo", {})[metric] = {
@@ -421,7 +432,8 @@ def run(
         "config": asdict(cfg),
         "metric": "mean teacher-forced log-probability of the reference solution (no hint) on "
         "eval_n held-out problems; pass1: one sample at temperature 1",
-        "final": {f"{a}/seed{s}": v for (a, s), v in final.items()},
+        "final": {f"{a}/seed{s}": {k: x for k, x in v.items() if k != "logp_each"}
+                  for (a, s), v in final.items()},
         "paired": paired, "paired_logp_at_step": at_steps, "power": power_table(paired),
         "reused_runs": reused, "workers": workers,
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -20,6 +20,11 @@ TINY = lc.LMConfig(
 )
 
 
+def run_files(path):
+    """The finished runs' files (not the seeds' step-0 evaluations)."""
+    return [p for p in path.glob("*.json") if not p.name.startswith("base-")]
+
+
 @pytest.fixture
 def every_other_right(monkeypatch):
     """A reward that varies within each group (a tiny random model is never right), so GRPO
@@ -94,10 +99,10 @@ def test_arms_of_a_seed_share_one_step0_evaluation_and_read_the_metric_where_ask
     cfg = replace(TINY, steps=2, eval_n=2, read_at=(1,))
     out = lc.run(["grpo", "oracle_sharp"], [0], cfg, runs=tmp_path)
     assert len(list(tmp_path.glob("base-*.json"))) == 1  # computed once for the seed
-    runs = [json.loads(p.read_text()) for p in tmp_path.glob("[!b]*.json")]
+    runs = [json.loads(p.read_text()) for p in run_files(tmp_path)]
     assert runs[0]["curve"][0] == runs[1]["curve"][0]
     assert [[c["step"] for c in r["curve"]] for r in runs] == [[0, 1, 2]] * 2
-    assert set(runs[0]["curve"][1]) == {"step", "logp"}  # the primary metric only
+    assert set(runs[0]["curve"][1]) == {"step", "logp", "prob", "logp_each"}  # no pass@1
     assert set(out["paired_logp_at_step"]["oracle_sharp-grpo"]) == {"1"}
 
 
@@ -129,7 +134,7 @@ def test_two_workers_give_the_numbers_of_one(tmp_path):
     two = lc.run(["grpo", "oracle_sharp"], [0, 1], cfg, runs=tmp_path / "two", workers=2)
     assert two["final"] == one["final"] and two["reused_runs"] == []
     assert len(list((tmp_path / "two").glob("base-*.json"))) == 2
-    runs = [json.loads(p.read_text()) for p in (tmp_path / "two").glob("[!bw]*.json")]
+    runs = [json.loads(p.read_text()) for p in run_files(tmp_path / "two")]
     assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
         (a, s) for a in ("grpo", "oracle_sharp") for s in (0, 1)
     )
