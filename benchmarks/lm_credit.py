@@ -196,12 +196,31 @@ def first_error_mask(tok: Any, text: str, ids: list[int], task: Any, answer: str
     return out
 
 
+#: the second positive control: a failed row's advantage only on the checker's wrong result
+ERROR_ONLY = "oracle_error_only"
+
+
 def arm_params(arm: str) -> tuple[Any, str, bool]:
-    """(CreditParams, estimator, oracle) of an arm spec (the gym's `parse_arm` syntax)."""
+    """(CreditParams, estimator, oracle) of an arm spec (the gym's `parse_arm` syntax), or of
+    `oracle_error_only` (GRPO's advantages, then `error_only_advantages`)."""
+    from gear.credit import CreditParams
     from gear.gym.train import parse_arm
 
+    if arm == ERROR_ONLY:
+        return CreditParams(method="grpo"), "full", True
     a = parse_arm(arm_spec(arm))
     return a.params(0), a.estimator, a.oracle
+
+
+def error_only_advantages(adv_tok: torch.Tensor, a: torch.Tensor, flagged: torch.Tensor):
+    """(G, T) advantages of `oracle_error_only`: a failed row with flagged tokens (the stated
+    result of its first wrong equation) keeps its advantage A on them and 0 on every other
+    token, so that GRPO's push down on the row's correct tokens is gone (not moved: the row's
+    total weight shrinks); every other row keeps `adv_tok`."""
+    flagged = flagged & (a < 0)[:, None]
+    return torch.where(
+        flagged.any(1, keepdim=True), a[:, None] * flagged.to(adv_tok.dtype), adv_tok
+    )
 
 
 def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -> dict:
@@ -256,6 +275,8 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
             a, mask, kl=kl, entropy=sig.entropy, student_logprobs=sig.student_logprobs,
             teacher_logprobs=sig.teacher_logprobs, params=params,
         )  # fmt: skip
+        if arm == ERROR_ONLY:
+            adv_tok = error_only_advantages(adv_tok, a, kl > 0)
         # dapo: summed over tokens, divided by the batch's token count (not this group's)
         loss = dapo_loss(s_logits, old, ids, adv_tok.to(s_logits.dtype), cfg.epsilon,
                          cfg.temperature) * ids.numel() / n_tokens  # fmt: skip

@@ -68,13 +68,14 @@ def test_the_oracle_puts_a_failed_rows_weight_on_the_checkers_first_wrong_equati
     assert float(w[on].sum() / w.sum()) > 0.9 and float(w[on].min()) > float(w[~on].max())
 
 
-def test_a_step_changes_the_parameters(every_other_right):
+@pytest.mark.parametrize("arm", ["gear_departure_blame@estimator=k1", lc.ERROR_ONLY])
+def test_a_step_changes_the_parameters(every_other_right, arm):
     model, tok = lc.load(tiny=True)
     task, train, _ = lc.task_rows(TINY)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     rows = lc.step_prompts(train, 0, 1, TINY.prompts)
-    out = lc.rl_step(model, tok, opt, task, rows, "gear_departure_blame@estimator=k1", TINY, 0)
+    out = lc.rl_step(model, tok, opt, task, rows, arm, TINY, 0)
     assert out["updated"] == 1.0
     assert any(not torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
 
@@ -140,3 +141,15 @@ def test_two_workers_give_the_numbers_of_one(tmp_path):
     )
     lc.plot(two, tmp_path / "paired.png")
     assert (tmp_path / "paired.png").stat().st_size > 10_000
+
+
+def test_the_error_only_oracle_keeps_a_failed_rows_advantage_on_its_wrong_result_only():
+    a = torch.tensor([-1.0, -1.0, 2.0])
+    grpo = a[:, None].expand(3, 4).clone()
+    flagged = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    out = lc.error_only_advantages(grpo, a, flagged)
+    assert out[0].tolist() == [0.0, -1.0, -1.0, 0.0]  # the wrong result only
+    assert out[1].tolist() == [-1.0] * 4  # no checked error: GRPO
+    assert out[2].tolist() == [2.0] * 4  # a correct row is never touched
+    params, _, oracle = lc.arm_params(lc.ERROR_ONLY)
+    assert oracle and params.method == "grpo"
