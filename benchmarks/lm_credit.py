@@ -16,8 +16,9 @@ pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
 - **Positive control:** `oracle` (and `oracle_sharp`) feed the stated result of the checker's
   first wrong equation, as token indicator, to `gear_token` in place of the KL on failed rows:
   the negative weight lands on it; correct rows stay plain GRPO.
-- **Resumable:** each finished (arm, seed) run is a JSON under runs/lm_credit/, keyed by
-  everything that determines it; a rerun reads it back (`reused_runs`).
+- **Resumable:** each finished (arm, seed) run is a JSON under results/lm_credit_runs/ (kept in
+  the repository), keyed by everything that determines it; a rerun reads it back
+  (`reused_runs`). `--workers 2` spreads the runs over processes, one thread each.
 
     OMP_NUM_THREADS=1 python benchmarks/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
     python benchmarks/lm_credit.py --tiny ...   # a tiny random model (tests)
@@ -44,7 +45,9 @@ import localization as loc  # noqa: E402
 import onpolicy  # noqa: E402
 
 RESULTS = HERE / "results"
-RUNS = HERE.parent / "runs" / "lm_credit"
+#: finished runs are kept in the repository (a few kB each) so that the grid resumes across
+#: sessions and machines; the warm start's weights (*.pt, git-ignored) are recomputed when absent
+RUNS = RESULTS / "lm_credit_runs"
 
 
 @dataclass(frozen=True)
@@ -193,12 +196,31 @@ def first_error_mask(tok: Any, text: str, ids: list[int], task: Any, answer: str
     return out
 
 
+#: the second positive control: a failed row's advantage only on the checker's wrong result
+ERROR_ONLY = "oracle_error_only"
+
+
 def arm_params(arm: str) -> tuple[Any, str, bool]:
-    """(CreditParams, estimator, oracle) of an arm spec (the gym's `parse_arm` syntax)."""
+    """(CreditParams, estimator, oracle) of an arm spec (the gym's `parse_arm` syntax), or of
+    `oracle_error_only` (GRPO's advantages, then `error_only_advantages`)."""
+    from gear.credit import CreditParams
     from gear.gym.train import parse_arm
 
+    if arm == ERROR_ONLY:
+        return CreditParams(method="grpo"), "full", True
     a = parse_arm(arm_spec(arm))
     return a.params(0), a.estimator, a.oracle
+
+
+def error_only_advantages(adv_tok: torch.Tensor, a: torch.Tensor, flagged: torch.Tensor):
+    """(G, T) advantages of `oracle_error_only`: a failed row with flagged tokens (the stated
+    result of its first wrong equation) keeps its advantage A on them and 0 on every other
+    token, so that GRPO's push down on the row's correct tokens is gone (not moved: the row's
+    total weight shrinks); every other row keeps `adv_tok`."""
+    flagged = flagged & (a < 0)[:, None]
+    return torch.where(
+        flagged.any(1, keepdim=True), a[:, None] * flagged.to(adv_tok.dtype), adv_tok
+    )
 
 
 def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -> dict:
@@ -253,6 +275,8 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
             a, mask, kl=kl, entropy=sig.entropy, student_logprobs=sig.student_logprobs,
             teacher_logprobs=sig.teacher_logprobs, params=params,
         )  # fmt: skip
+        if arm == ERROR_ONLY:
+            adv_tok = error_only_advantages(adv_tok, a, kl > 0)
         # dapo: summed over tokens, divided by the batch's token count (not this group's)
         loss = dapo_loss(s_logits, old, ids, adv_tok.to(s_logits.dtype), cfg.epsilon,
                          cfg.temperature) * ids.numel() / n_tokens  # fmt: skip
@@ -261,6 +285,17 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
     opt.step()
     out["updated"] = 1.0
     return out
+
+
+def summary(logps: list[float]) -> dict[str, Any]:
+    """The primary metric (mean log-probability of the reference solution), the mean probability
+    (the gym's expected accuracy, not dominated by a few problems whose log-probability falls)
+    and the per-problem values (4 decimals) for any later paired-by-problem reading."""
+    return {
+        "logp": sum(logps) / len(logps),
+        "prob": sum(math.exp(x) for x in logps) / len(logps),
+        "logp_each": [round(x, 4) for x in logps],
+    }
 
 
 @torch.no_grad()
@@ -281,7 +316,7 @@ def evaluate(
             logps.append(float(lp.sum()))
     if not pass1:
         model.train()
-        return {"logp": sum(logps) / len(logps)}
+        return summary(logps)
     torch.manual_seed(seed)
     right = 0
     prompts = [loc.render(tok, r["prompt"]) for r in test]
@@ -290,7 +325,7 @@ def evaluate(
         for r, g in zip(test[i : i + batch], outs, strict=True):
             right += bool(task.is_correct(tok.decode(g[0], skip_special_tokens=True), r["answer"]))
     model.train()
-    return {"logp": sum(logps) / len(logps), "pass1": right / len(test)}
+    return {**summary(logps), "pass1": right / len(test)}
 
 
 def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
@@ -320,7 +355,8 @@ def base_eval(seed: int, cfg: LMConfig, runs: Path | None = None) -> dict[str, f
     out = evaluate(model, tok, task, test, seed=7_919 + seed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out))
+        path.with_suffix(".tmp").write_text(json.dumps(out))
+        path.with_suffix(".tmp").replace(path)  # atomic, as every kept result
     return out
 
 
@@ -350,35 +386,59 @@ def train_arm(
     curve.append({"step": cfg.steps, **evaluate(model, tok, task, test, seed=7_919 + seed)})
     log(f"lm_credit: {arm} seed {seed} done: logp {curve[0]['logp']:.3f} -> {curve[-1]['logp']:.3f}"
         f", pass@1 {curve[0]['pass1']:.3f} -> {curve[-1]['pass1']:.3f}", flush=True)  # fmt: skip
-    return {"arm": arm, "seed": seed, "curve": curve, "rewards": rewards, "updated": updated, "seen": seen,
+    machine = {"cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+               "torch": torch.__version__}  # fmt: skip
+    return {"arm": arm, "seed": seed, "machine": machine, "curve": curve, "rewards": rewards, "updated": updated, "seen": seen,
             "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
-def run(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> dict[str, Any]:
-    """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds."""
+def _job(job: tuple[str, int, LMConfig, Path]) -> dict[str, Any]:
+    """One (arm, seed) run, read back if it finished before (a worker process's unit)."""
+    arm, seed, cfg, runs = job
+    torch.set_num_threads(1)  # one core per worker; the workers fill the machine
+    path = runs / f"{run_key(arm, seed, cfg)}.json"
+    if path.is_file():
+        return {**json.loads(path.read_text()), "reused": True}
+    res = train_arm(arm, seed, cfg, runs=runs)
+    path.with_suffix(".tmp").write_text(json.dumps(res))
+    path.with_suffix(".tmp").replace(path)  # atomic: a killed run leaves no half-written result
+    return res
+
+
+def _base_job(job: tuple[int, LMConfig, Path]) -> dict[str, float]:
+    torch.set_num_threads(1)
+    return base_eval(*job)
+
+
+def run(
+    arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS, workers: int = 1
+) -> dict[str, Any]:
+    """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds. With
+    `workers` > 1 the warm start runs first, then the seeds' step-0 evaluations and the runs
+    are spread over spawned processes (one thread each); the numbers do not depend on it."""
     from gear.gym.report import t_interval
 
     t0 = time.perf_counter()
     runs.mkdir(parents=True, exist_ok=True)
-    results, reused = {}, []
-    for seed in seeds:
-        for arm in arms:
-            path = runs / f"{run_key(arm, seed, cfg)}.json"
-            if path.is_file():
-                results[(arm, seed)] = json.loads(path.read_text())
-                reused.append(f"{arm}/seed{seed}")
-                continue
-            res = train_arm(arm, seed, cfg, runs=runs)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(res))
-            tmp.replace(path)  # atomic: a killed run leaves no half-written result
-            results[(arm, seed)] = res
+    jobs = [(arm, seed, cfg, runs) for seed in seeds for arm in arms]
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        warm_model(cfg, runs)  # once, before the workers need it
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_base_job, [(s, cfg, runs) for s in seeds]))
+            done = list(pool.map(_job, jobs))
+    else:
+        done = [_job(j) for j in jobs]
+    results = {(j[0], j[1]): r for j, r in zip(jobs, done, strict=True)}
+    reused = [f"{a}/seed{s}" for (a, s), r in results.items() if r.pop("reused", False)]
     final = {k: v["curve"][-1] for k, v in results.items()}
     paired, at_steps = {}, {}
     for arm in arms:
         if arm == "grpo":
             continue
-        for metric in ("logp", "pass1"):
+        for metric in ("logp", "prob", "pass1"):
             d = [final[(arm, s)][metric] - final[("grpo", s)][metric] for s in seeds]
             t = t_interval(d)
             paired.setdefault(f"{arm}-grpo", {})[metric] = {
@@ -393,8 +453,10 @@ def run(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> 
         "config": asdict(cfg),
         "metric": "mean teacher-forced log-probability of the reference solution (no hint) on "
         "eval_n held-out problems; pass1: one sample at temperature 1",
-        "final": {f"{a}/seed{s}": v for (a, s), v in final.items()},
-        "paired": paired, "paired_logp_at_step": at_steps, "reused_runs": reused,
+        "final": {f"{a}/seed{s}": {k: x for k, x in v.items() if k != "logp_each"}
+                  for (a, s), v in final.items()},
+        "paired": paired, "paired_logp_at_step": at_steps, "power": power_table(paired),
+        "reused_runs": reused, "workers": workers,
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": {"platform": platform.platform(),
                     "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
@@ -402,17 +464,78 @@ def run(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> 
     }  # fmt: skip
 
 
-def power(sd: float, n_needed_for: float, alpha: float = 0.05, target: float = 0.8) -> int:
-    """Seeds for `target` power to detect a paired mean of `n_needed_for` with SD `sd`."""
+def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of a two-sided paired t test with n pairs for a true mean difference `effect`."""
     from scipy import stats
 
+    df, ncp = n - 1, abs(effect) / (sd / math.sqrt(n))
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    return float(1 - stats.nct.cdf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
+
+
+def power(sd: float, n_needed_for: float, alpha: float = 0.05, target: float = 0.8) -> int:
+    """Seeds for `target` power to detect a paired mean of `n_needed_for` with SD `sd`."""
     for n in range(3, 500):
-        df = n - 1
-        ncp = abs(n_needed_for) / (sd / math.sqrt(n))
-        crit = stats.t.ppf(1 - alpha / 2, df)
-        if 1 - stats.nct.cdf(crit, df, ncp) >= target:
+        if power_at(n_needed_for, sd, n, alpha) >= target:
             return n
     return 500
+
+
+def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
+    """The smallest paired mean difference detected with `target` power at n pairs."""
+    lo, hi = 0.0, 10 * sd + 1e-12
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if power_at(mid, sd, n, alpha) < target else (lo, mid)
+    return hi
+
+
+def power_table(paired: dict[str, Any]) -> dict[str, Any]:
+    """Per arm, on the primary metric: the paired SD, the MDE at this n (80%, alpha 0.05), the
+    power this n had for the observed mean, and the n that 80% power at it would need."""
+    out = {}
+    for name, d in paired.items():
+        m = d["logp"]
+        if m["n"] < 2 or not m["sd"] > 0:
+            continue
+        out[name] = {
+            "sd": m["sd"],
+            "n": m["n"],
+            "mde_80": mde(m["sd"], m["n"]),
+            "power_at_observed_mean": power_at(m["mean"], m["sd"], m["n"]),
+            "n_for_80_at_observed_mean": power(m["sd"], m["mean"]) if m["mean"] else None,
+        }
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Each arm minus `grpo`, paired over seeds, with 95% intervals: primary metric and pass@1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["paired"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.6 * len(names) + 1.6))
+    for ax, metric, label in zip(
+        axes, ("logp", "pass1"),
+        ("log-prob of the right solution (primary)", "sampled pass@1"), strict=True,
+    ):  # fmt: skip
+        for i, name in enumerate(names):
+            d = result["paired"][name][metric]
+            ax.errorbar(d["mean"], i, xerr=[[d["mean"] - d["ci"][0]], [d["ci"][1] - d["mean"]]],
+                        fmt="o", capsize=3)  # fmt: skip
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_yticks(range(len(names)), names if ax is axes[0] else [""] * len(names))
+        ax.locator_params(axis="x", nbins=5)
+        ax.set_xlabel(f"arm − grpo:\n{label}")
+    model = "a tiny random model" if result["config"]["tiny"] else "SmolLM2-135M"
+    fig.suptitle(f"{model}, {result['steps']} RL steps, n = {len(result['seeds'])} seeds, "
+                 f"{result['eval_n']} held-out problems, 95% paired t")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,10 +556,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
     ap.add_argument("--out", type=Path, default=RESULTS / "lm_credit.json")
     ap.add_argument("--runs", type=Path, default=RUNS)
+    ap.add_argument("--workers", type=int, default=1, help="processes, one thread each")
+    ap.add_argument("--plot", type=Path, default=None, help="write the paired figure here")
     a = ap.parse_args(argv)
     for name in ("steps", "prompts", "eval_n"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected an integer >= 1")
+    if a.workers < 1:
+        ap.error("--workers: expected an integer >= 1")
     if a.warm_steps < 0:
         ap.error("--warm-steps: expected an integer >= 0")
     if a.group < 2:
@@ -451,13 +578,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig(steps=a.steps, prompts=a.prompts, group=a.group, eval_n=a.eval_n, lr=a.lr,
                    tiny=a.tiny, read_at=tuple(sorted(set(a.read_at))),
                    warm_steps=a.warm_steps)  # fmt: skip
-    result = run(arms, a.seeds, cfg, a.runs)
+    result = run(arms, a.seeds, cfg, a.runs, workers=a.workers)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in result["paired"].items():
         print(
             k, {m: f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" for m, d in v.items()}
         )
+    if a.plot is not None and len(a.seeds) >= 2:
+        plot(result, a.plot)
     print(f"wrote {a.out} ({result['wall_s']} s, {result['machine']['cpu_capability']})")
     return 0
 

@@ -20,6 +20,11 @@ TINY = lc.LMConfig(
 )
 
 
+def run_files(path):
+    """The finished runs' files (not the seeds' step-0 evaluations)."""
+    return [p for p in path.glob("*.json") if not p.name.startswith("base-")]
+
+
 @pytest.fixture
 def every_other_right(monkeypatch):
     """A reward that varies within each group (a tiny random model is never right), so GRPO
@@ -63,13 +68,14 @@ def test_the_oracle_puts_a_failed_rows_weight_on_the_checkers_first_wrong_equati
     assert float(w[on].sum() / w.sum()) > 0.9 and float(w[on].min()) > float(w[~on].max())
 
 
-def test_a_step_changes_the_parameters(every_other_right):
+@pytest.mark.parametrize("arm", ["gear_departure_blame@estimator=k1", lc.ERROR_ONLY])
+def test_a_step_changes_the_parameters(every_other_right, arm):
     model, tok = lc.load(tiny=True)
     task, train, _ = lc.task_rows(TINY)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     rows = lc.step_prompts(train, 0, 1, TINY.prompts)
-    out = lc.rl_step(model, tok, opt, task, rows, "gear_departure_blame@estimator=k1", TINY, 0)
+    out = lc.rl_step(model, tok, opt, task, rows, arm, TINY, 0)
     assert out["updated"] == 1.0
     assert any(not torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
 
@@ -94,10 +100,10 @@ def test_arms_of_a_seed_share_one_step0_evaluation_and_read_the_metric_where_ask
     cfg = replace(TINY, steps=2, eval_n=2, read_at=(1,))
     out = lc.run(["grpo", "oracle_sharp"], [0], cfg, runs=tmp_path)
     assert len(list(tmp_path.glob("base-*.json"))) == 1  # computed once for the seed
-    runs = [json.loads(p.read_text()) for p in tmp_path.glob("[!b]*.json")]
+    runs = [json.loads(p.read_text()) for p in run_files(tmp_path)]
     assert runs[0]["curve"][0] == runs[1]["curve"][0]
     assert [[c["step"] for c in r["curve"]] for r in runs] == [[0, 1, 2]] * 2
-    assert set(runs[0]["curve"][1]) == {"step", "logp"}  # the primary metric only
+    assert set(runs[0]["curve"][1]) == {"step", "logp", "prob", "logp_each"}  # no pass@1
     assert set(out["paired_logp_at_step"]["oracle_sharp-grpo"]) == {"1"}
 
 
@@ -112,3 +118,38 @@ def test_the_warm_start_trains_and_is_read_back_identically(tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(warm.parameters(), again.parameters(), strict=True)
     )
+
+
+def test_power_is_alpha_at_no_effect_and_the_mde_is_what_n_detects():
+    assert abs(lc.power_at(0.0, 1.0, 12) - 0.05) < 1e-9
+    m = lc.mde(1.0, 12)
+    assert abs(lc.power_at(m, 1.0, 12) - 0.8) < 1e-6
+    assert lc.power(1.0, m * 1.01) == 12 < lc.power(1.0, m * 0.95)
+
+
+def test_two_workers_give_the_numbers_of_one(tmp_path):
+    # the real checker (a monkeypatched reward would not reach spawned workers); seeds differ in
+    # their sampled pass@1 seeds and prompts, so a run filed under the wrong seed would show
+    cfg = replace(TINY, eval_n=2, steps=2, read_at=(1,))
+    one = lc.run(["grpo", "oracle_sharp"], [0, 1], cfg, runs=tmp_path / "one")
+    two = lc.run(["grpo", "oracle_sharp"], [0, 1], cfg, runs=tmp_path / "two", workers=2)
+    assert two["final"] == one["final"] and two["reused_runs"] == []
+    assert len(list((tmp_path / "two").glob("base-*.json"))) == 2
+    runs = [json.loads(p.read_text()) for p in run_files(tmp_path / "two")]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
+        (a, s) for a in ("grpo", "oracle_sharp") for s in (0, 1)
+    )
+    lc.plot(two, tmp_path / "paired.png")
+    assert (tmp_path / "paired.png").stat().st_size > 10_000
+
+
+def test_the_error_only_oracle_keeps_a_failed_rows_advantage_on_its_wrong_result_only():
+    a = torch.tensor([-1.0, -1.0, 2.0])
+    grpo = a[:, None].expand(3, 4).clone()
+    flagged = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    out = lc.error_only_advantages(grpo, a, flagged)
+    assert out[0].tolist() == [0.0, -1.0, -1.0, 0.0]  # the wrong result only
+    assert out[1].tolist() == [-1.0] * 4  # no checked error: GRPO
+    assert out[2].tolist() == [2.0] * 4  # a correct row is never touched
+    params, _, oracle = lc.arm_params(lc.ERROR_ONLY)
+    assert oracle and params.method == "grpo"
