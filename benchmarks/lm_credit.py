@@ -27,6 +27,7 @@ pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -63,7 +64,7 @@ class LMConfig:
     temperature: float = 1.0
     epsilon: float = 0.2
     tiny: bool = False
-    read_at: tuple[int, ...] = ()  # extra steps where the primary metric (only) is read
+    read_at: tuple[int, ...] = ()  # extra steps where the log-probabilities (no pass@1) are read
     # warm start: a short SFT on worked solutions of training problems, so that RL has groups
     # with mixed rewards (the embedded model is right ~2.5% of the time on this set)
     warm_steps: int = 20
@@ -328,14 +329,34 @@ def evaluate(
     return {**summary(logps), "pass1": right / len(test)}
 
 
-def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
-    files = [Path(__file__), HERE / "onpolicy.py", HERE / "localization.py"]
-    files += sorted((HERE.parent / "src" / "gear" / "credit").glob("*.py"))
+#: the functions whose source determines a run's numbers; the key hashes these (and the modules
+#: below), not this whole file, so editing the analysis, the figure or the CLI does not discard a
+#: grid's finished runs, while editing the training or the evaluation reruns them
+RUN_CODE = ("LMConfig", "load", "arm_spec", "sft_loss", "warm_model", "task_rows",
+            "step_prompts", "padded", "completion_logits", "first_error_mask", "arm_params",
+            "error_only_advantages", "rl_step", "summary", "evaluate", "base_eval", "train_arm")  # fmt: skip
+
+
+@functools.cache
+def code_digest() -> str:
+    """SHA-256 over `RUN_CODE`'s source and the modules a run imports from gear's benchmarks
+    and credit core. Computed once a process, so a running grid keeps its keys if the file is
+    edited under it."""
+    import inspect
+
     h = hashlib.sha256()
+    for name in RUN_CODE:
+        h.update(inspect.getsource(globals()[name]).encode())
+    files = [HERE / "onpolicy.py", HERE / "localization.py"]
+    files += sorted((HERE.parent / "src" / "gear" / "credit").glob("*.py"))
     for f in files:
         if f.is_file():
             h.update(f.read_bytes())
-    blob = {"arm": arm, "seed": seed, "cfg": asdict(cfg), "code": h.hexdigest(),
+    return h.hexdigest()
+
+
+def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
+    blob = {"arm": arm, "seed": seed, "cfg": asdict(cfg), "code": code_digest(),
             "torch": torch.__version__}  # fmt: skip
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -410,14 +431,26 @@ def _base_job(job: tuple[int, LMConfig, Path]) -> dict[str, float]:
     return base_eval(*job)
 
 
+#: the primary metrics a grid can register (BENCHMARKS amendments 3 and 5), as they are written
+METRICS = {
+    "logp": "mean teacher-forced log-probability of the reference solution (no hint)",
+    "prob": "mean teacher-forced probability of the reference solution (no hint), the gym's "
+    "expected accuracy",
+}
+
+
 def run(
-    arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS, workers: int = 1
-) -> dict[str, Any]:
-    """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds. With
+    arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS, workers: int = 1,
+    primary: str = "logp",
+) -> dict[str, Any]:  # fmt: skip
+    """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds (all three
+    metrics; the power table and the readings at `cfg.read_at` on `primary`). With
     `workers` > 1 the warm start runs first, then the seeds' step-0 evaluations and the runs
     are spread over spawned processes (one thread each); the numbers do not depend on it."""
     from gear.gym.report import t_interval
 
+    if primary not in METRICS:
+        raise ValueError(f"primary: expected one of {sorted(METRICS)}, got {primary!r}")
     t0 = time.perf_counter()
     runs.mkdir(parents=True, exist_ok=True)
     jobs = [(arm, seed, cfg, runs) for seed in seeds for arm in arms]
@@ -444,18 +477,20 @@ def run(
             paired.setdefault(f"{arm}-grpo", {})[metric] = {
                 "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
         for step in sorted(set(cfg.read_at) - {cfg.steps}):
-            at = {k: {c["step"]: c["logp"] for c in v["curve"]} for k, v in results.items()}
+            at = {k: {c["step"]: c[primary] for c in v["curve"]} for k, v in results.items()}
             t = t_interval([at[(arm, s)][step] - at[("grpo", s)][step] for s in seeds])
             at_steps.setdefault(f"{arm}-grpo", {})[str(step)] = {
                 "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
     return {
         "arms": arms, "seeds": seeds, "steps": cfg.steps, "eval_n": cfg.eval_n,
         "config": asdict(cfg),
-        "metric": "mean teacher-forced log-probability of the reference solution (no hint) on "
-        "eval_n held-out problems; pass1: one sample at temperature 1",
+        "primary": primary,
+        "metric": f"{METRICS[primary]} on eval_n held-out problems (primary); beside it "
+        + ", ".join(f"{k}: {v}" for k, v in METRICS.items() if k != primary)
+        + "; pass1: one sample at temperature 1",
         "final": {f"{a}/seed{s}": {k: x for k, x in v.items() if k != "logp_each"}
                   for (a, s), v in final.items()},
-        "paired": paired, "paired_logp_at_step": at_steps, "power": power_table(paired),
+        "paired": paired, "paired_at_step": at_steps, "power": power_table(paired, primary),
         "reused_runs": reused, "workers": workers,
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": {"platform": platform.platform(),
@@ -490,12 +525,12 @@ def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
     return hi
 
 
-def power_table(paired: dict[str, Any]) -> dict[str, Any]:
-    """Per arm, on the primary metric: the paired SD, the MDE at this n (80%, alpha 0.05), the
+def power_table(paired: dict[str, Any], primary: str = "logp") -> dict[str, Any]:
+    """Per arm, on the `primary` metric: the paired SD, the MDE at this n (80%, alpha 0.05), the
     power this n had for the observed mean, and the n that 80% power at it would need."""
     out = {}
     for name, d in paired.items():
-        m = d["logp"]
+        m = d[primary]
         if m["n"] < 2 or not m["sd"] > 0:
             continue
         out[name] = {
@@ -516,10 +551,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["paired"])
+    primary = result.get("primary", "logp")
+    what = {"logp": "log-prob", "prob": "probability"}[primary]
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.6 * len(names) + 1.6))
     for ax, metric, label in zip(
-        axes, ("logp", "pass1"),
-        ("log-prob of the right solution (primary)", "sampled pass@1"), strict=True,
+        axes, (primary, "pass1"),
+        (f"{what} of the right solution (primary)", "sampled pass@1"), strict=True,
     ):  # fmt: skip
         for i, name in enumerate(names):
             d = result["paired"][name][metric]
@@ -552,11 +589,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-steps", type=int, default=LMConfig.warm_steps,
                     help="SFT steps of the warm start (0: the embedded weights as they are)")  # fmt: skip
     ap.add_argument("--read-at", type=int, nargs="*", default=[],
-                    help="extra steps where the primary metric (only) is read")  # fmt: skip
+                    help="extra steps where the log-probabilities (no pass@1) are read")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
     ap.add_argument("--out", type=Path, default=RESULTS / "lm_credit.json")
     ap.add_argument("--runs", type=Path, default=RUNS)
     ap.add_argument("--workers", type=int, default=1, help="processes, one thread each")
+    ap.add_argument("--primary", choices=sorted(METRICS), default="logp",
+                    help="the registered primary metric: power table and --read-at readings")  # fmt: skip
     ap.add_argument("--plot", type=Path, default=None, help="write the paired figure here")
     a = ap.parse_args(argv)
     for name in ("steps", "prompts", "eval_n"):
@@ -578,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig(steps=a.steps, prompts=a.prompts, group=a.group, eval_n=a.eval_n, lr=a.lr,
                    tiny=a.tiny, read_at=tuple(sorted(set(a.read_at))),
                    warm_steps=a.warm_steps)  # fmt: skip
-    result = run(arms, a.seeds, cfg, a.runs, workers=a.workers)
+    result = run(arms, a.seeds, cfg, a.runs, workers=a.workers, primary=a.primary)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in result["paired"].items():

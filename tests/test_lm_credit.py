@@ -104,7 +104,7 @@ def test_arms_of_a_seed_share_one_step0_evaluation_and_read_the_metric_where_ask
     assert runs[0]["curve"][0] == runs[1]["curve"][0]
     assert [[c["step"] for c in r["curve"]] for r in runs] == [[0, 1, 2]] * 2
     assert set(runs[0]["curve"][1]) == {"step", "logp", "prob", "logp_each"}  # no pass@1
-    assert set(out["paired_logp_at_step"]["oracle_sharp-grpo"]) == {"1"}
+    assert set(out["paired_at_step"]["oracle_sharp-grpo"]) == {"1"}
 
 
 def test_the_warm_start_trains_and_is_read_back_identically(tmp_path):
@@ -153,3 +153,37 @@ def test_the_error_only_oracle_keeps_a_failed_rows_advantage_on_its_wrong_result
     assert out[2].tolist() == [2.0] * 4  # a correct row is never touched
     params, _, oracle = lc.arm_params(lc.ERROR_ONLY)
     assert oracle and params.method == "grpo"
+
+
+def test_the_run_key_follows_the_training_code_not_the_analysis(monkeypatch):
+    before = lc.run_key("grpo", 0, TINY)
+    # an edit of the analysis (the power table, the figure, the CLI) keeps finished runs
+    monkeypatch.setattr(lc, "power_table", lambda paired, primary="logp": {})
+    lc.code_digest.cache_clear()
+    assert lc.run_key("grpo", 0, TINY) == before
+    # an edit of the RL step reruns them
+
+    def rl_step(*args, **kwargs):  # a different source
+        return {}
+
+    monkeypatch.setattr(lc, "rl_step", rl_step)
+    lc.code_digest.cache_clear()
+    assert lc.run_key("grpo", 0, TINY) != before
+    monkeypatch.undo()
+    lc.code_digest.cache_clear()
+    assert lc.run_key("grpo", 0, TINY) == before
+
+
+def test_the_registered_primary_metric_drives_the_power_table(tmp_path, every_other_right):
+    cfg = replace(TINY, eval_n=2)
+    out = lc.run(["grpo", "oracle_error_only"], [0], cfg, runs=tmp_path, primary="prob")
+    assert out["primary"] == "prob" and out["metric"].startswith(lc.METRICS["prob"])
+    assert set(out["paired"]["oracle_error_only-grpo"]) == {"logp", "prob", "pass1"}
+    paired = {"a-grpo": {"logp": {"mean": 1.0, "sd": 1.0, "n": 12},
+                         "prob": {"mean": 0.1, "sd": 0.2, "n": 12}}}  # fmt: skip
+    assert lc.power_table(paired, "prob")["a-grpo"]["sd"] == 0.2
+    assert lc.power_table(paired)["a-grpo"]["sd"] == 1.0
+    with pytest.raises(ValueError, match="primary"):
+        lc.run(["grpo"], [0], cfg, runs=tmp_path, primary="pass1")
+    with pytest.raises(SystemExit):
+        lc.main(["--tiny", "--arms", "grpo", "--primary", "accuracy"])
