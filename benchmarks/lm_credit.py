@@ -492,6 +492,9 @@ def run(
                   for (a, s), v in final.items()},
         "paired": paired, "paired_at_step": at_steps, "power": power_table(paired, primary),
         "reused_runs": reused, "workers": workers,
+        # a grid spread over sessions may run on both CPU classes: each run's own capability
+        "run_machines": {f"{a}/seed{s}": v["machine"]["cpu_capability"]
+                         for (a, s), v in results.items()},
         "wall_s": round(time.perf_counter() - t0, 1),
         "machine": {"platform": platform.platform(),
                     "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),

@@ -89,6 +89,8 @@ def test_a_rerun_reads_finished_runs_back(tmp_path):
         "oracle_sharp/seed0",
     ]
     assert again["final"] == first["final"]
+    cap = str(torch.backends.cpu.get_cpu_capability())
+    assert again["run_machines"] == {"grpo/seed0": cap, "oracle_sharp/seed0": cap}
     assert {"arms", "seeds", "steps", "eval_n", "metric", "paired", "wall_s", "machine"} <= set(
         again
     )
