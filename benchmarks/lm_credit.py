@@ -476,6 +476,9 @@ def run(
             t = t_interval(d)
             paired.setdefault(f"{arm}-grpo", {})[metric] = {
                 "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
+        # the schema, {"mean", "ci"} of the registered primary, beside every metric's
+        primary_t = paired[f"{arm}-grpo"][primary]
+        paired[f"{arm}-grpo"].update(mean=primary_t["mean"], ci=primary_t["ci"])
         for step in sorted(set(cfg.read_at) - {cfg.steps}):
             at = {k: {c["step"]: c[primary] for c in v["curve"]} for k, v in results.items()}
             t = t_interval([at[(arm, s)][step] - at[("grpo", s)][step] for s in seeds])
@@ -624,9 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in result["paired"].items():
-        print(
-            k, {m: f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" for m, d in v.items()}
-        )
+        print(k, {m: f"{v[m]['mean']:+.3f} [{v[m]['ci'][0]:+.3f}, {v[m]['ci'][1]:+.3f}]"
+                  for m in ("logp", "prob", "pass1")})  # fmt: skip
     if a.plot is not None and len(a.seeds) >= 2:
         plot(result, a.plot)
     print(f"wrote {a.out} ({result['wall_s']} s, {result['machine']['cpu_capability']})")

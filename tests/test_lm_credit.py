@@ -180,7 +180,10 @@ def test_the_registered_primary_metric_drives_the_power_table(tmp_path, every_ot
     cfg = replace(TINY, eval_n=2)
     out = lc.run(["grpo", "oracle_error_only"], [0], cfg, runs=tmp_path, primary="prob")
     assert out["primary"] == "prob" and out["metric"].startswith(lc.METRICS["prob"])
-    assert set(out["paired"]["oracle_error_only-grpo"]) == {"logp", "prob", "pass1"}
+    pair = out["paired"]["oracle_error_only-grpo"]
+    assert set(pair) == {"mean", "ci", "logp", "prob", "pass1"}
+    # the issue's {"mean", "ci"} are the registered primary's
+    assert (pair["mean"], pair["ci"]) == (pair["prob"]["mean"], pair["prob"]["ci"])
     paired = {"a-grpo": {"logp": {"mean": 1.0, "sd": 1.0, "n": 12},
                          "prob": {"mean": 0.1, "sd": 0.2, "n": 12}}}  # fmt: skip
     assert lc.power_table(paired, "prob")["a-grpo"]["sd"] == 0.2
@@ -189,3 +192,20 @@ def test_the_registered_primary_metric_drives_the_power_table(tmp_path, every_ot
         lc.run(["grpo"], [0], cfg, runs=tmp_path, primary="pass1")
     with pytest.raises(SystemExit):
         lc.main(["--tiny", "--arms", "grpo", "--primary", "accuracy"])
+
+
+def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, capsys):
+    out = tmp_path / "lm.json"
+    args = ["--tiny", "--arms", "grpo", "oracle_error_only", "--seeds", "0", "1", "--steps", "1",
+            "--prompts", "1", "--group", "2", "--eval-n", "2", "--warm-steps", "1",
+            "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(tmp_path / "p.png")]  # fmt: skip
+    assert lc.main(args) == 0
+    result = json.loads(out.read_text())
+    pair = result["paired"]["oracle_error_only-grpo"]
+    assert (pair["mean"], pair["ci"]) == (pair["logp"]["mean"], pair["logp"]["ci"])
+    assert {"arms", "seeds", "steps", "eval_n", "metric", "power", "wall_s", "machine"} <= set(
+        result
+    )
+    printed = capsys.readouterr().out
+    assert "oracle_error_only-grpo" in printed and all(m in printed for m in ("prob", "pass1"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
