@@ -441,7 +441,7 @@ METRICS = {
 
 def run(
     arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS, workers: int = 1,
-    primary: str = "logp",
+    primary: str = "logp", gate: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds (all three
     metrics; the power table and the readings at `cfg.read_at` on `primary`). With
@@ -451,6 +451,8 @@ def run(
 
     if primary not in METRICS:
         raise ValueError(f"primary: expected one of {sorted(METRICS)}, got {primary!r}")
+    if gate is not None and (gate not in arms or gate == "grpo"):
+        raise ValueError(f"gate: expected one of the arms other than grpo, got {gate!r}")
     t0 = time.perf_counter()
     runs.mkdir(parents=True, exist_ok=True)
     jobs = [(arm, seed, cfg, runs) for seed in seeds for arm in arms]
@@ -484,7 +486,7 @@ def run(
             t = t_interval([at[(arm, s)][step] - at[("grpo", s)][step] for s in seeds])
             at_steps.setdefault(f"{arm}-grpo", {})[str(step)] = {
                 "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
-    return {
+    result = {
         "arms": arms, "seeds": seeds, "steps": cfg.steps, "eval_n": cfg.eval_n,
         "config": asdict(cfg),
         "primary": primary,
@@ -503,6 +505,15 @@ def run(
                     "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
     }  # fmt: skip
+    if gate is not None:  # the registered rule (BENCHMARKS, issue 28), applied by code
+        g = paired[f"{gate}-grpo"]
+        result["gate"] = {
+            "arm": gate, "metric": primary, "mean": g["mean"], "ci": g["ci"],
+            "passed": g["ci"][0] > 0,
+            "rule": f"the grid counts only if {gate} - grpo has a 95% paired-t lower bound above "
+                    f"0 on the primary metric ({primary})",
+        }  # fmt: skip
+    return result
 
 
 def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
@@ -603,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--primary", choices=sorted(METRICS), default="logp",
                     help="the registered primary metric: power table and --read-at readings")  # fmt: skip
     ap.add_argument("--plot", type=Path, default=None, help="write the paired figure here")
+    ap.add_argument("--gate", default=None,
+                    help="the positive control: the grid counts only if ARM - grpo's 95%% lower "
+                         "bound on the primary metric is above 0 (written to the JSON)")  # fmt: skip
     a = ap.parse_args(argv)
     for name in ("steps", "prompts", "eval_n"):
         if getattr(a, name) < 1:
@@ -623,12 +637,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig(steps=a.steps, prompts=a.prompts, group=a.group, eval_n=a.eval_n, lr=a.lr,
                    tiny=a.tiny, read_at=tuple(sorted(set(a.read_at))),
                    warm_steps=a.warm_steps)  # fmt: skip
-    result = run(arms, a.seeds, cfg, a.runs, workers=a.workers, primary=a.primary)
+    if a.gate is not None and (a.gate not in arms or a.gate == "grpo"):
+        ap.error(f"--gate: expected one of the arms other than grpo, got {a.gate!r}")
+    result = run(arms, a.seeds, cfg, a.runs, workers=a.workers, primary=a.primary, gate=a.gate)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in result["paired"].items():
         print(k, {m: f"{v[m]['mean']:+.3f} [{v[m]['ci'][0]:+.3f}, {v[m]['ci'][1]:+.3f}]"
                   for m in ("logp", "prob", "pass1")})  # fmt: skip
+    if "gate" in result:
+        g = result["gate"]
+        print(
+            f"gate ({g['arm']} - grpo, {g['metric']}): {g['mean']:+.3f} "
+            f"[{g['ci'][0]:+.3f}, {g['ci'][1]:+.3f}] -> {'passed' if g['passed'] else 'FAILED'}"
+        )
     if a.plot is not None and len(a.seeds) >= 2:
         plot(result, a.plot)
     print(f"wrote {a.out} ({result['wall_s']} s, {result['machine']['cpu_capability']})")

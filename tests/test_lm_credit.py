@@ -190,15 +190,20 @@ def test_the_registered_primary_metric_drives_the_power_table(tmp_path, every_ot
     assert lc.power_table(paired)["a-grpo"]["sd"] == 1.0
     with pytest.raises(ValueError, match="primary"):
         lc.run(["grpo"], [0], cfg, runs=tmp_path, primary="pass1")
+    with pytest.raises(ValueError, match="gate"):
+        lc.run(["grpo"], [0], cfg, runs=tmp_path, gate="oracle_sharp")
     with pytest.raises(SystemExit):
         lc.main(["--tiny", "--arms", "grpo", "--primary", "accuracy"])
+    with pytest.raises(SystemExit):
+        lc.main(["--tiny", "--arms", "grpo", "--gate", "grpo"])
 
 
 def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, capsys):
     out = tmp_path / "lm.json"
     args = ["--tiny", "--arms", "grpo", "oracle_error_only", "--seeds", "0", "1", "--steps", "1",
             "--prompts", "1", "--group", "2", "--eval-n", "2", "--warm-steps", "1",
-            "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(tmp_path / "p.png")]  # fmt: skip
+            "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(tmp_path / "p.png"),
+            "--gate", "oracle_error_only"]  # fmt: skip
     assert lc.main(args) == 0
     result = json.loads(out.read_text())
     pair = result["paired"]["oracle_error_only-grpo"]
@@ -206,6 +211,10 @@ def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, 
     assert {"arms", "seeds", "steps", "eval_n", "metric", "power", "wall_s", "machine"} <= set(
         result
     )
+    gate = result["gate"]
+    assert (gate["arm"], gate["metric"], gate["ci"]) == ("oracle_error_only", "logp", pair["ci"])
+    assert gate["passed"] == (pair["ci"][0] > 0)
     printed = capsys.readouterr().out
+    assert "gate (oracle_error_only - grpo, logp)" in printed
     assert "oracle_error_only-grpo" in printed and all(m in printed for m in ("prob", "pass1"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
