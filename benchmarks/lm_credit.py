@@ -442,6 +442,7 @@ METRICS = {
 def run(
     arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS, workers: int = 1,
     primary: str = "logp", gate: str | None = None,
+    planned: tuple[float, float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Every (arm, seed), kept on disk as it finishes; paired statistics over seeds (all three
     metrics; the power table and the readings at `cfg.read_at` on `primary`). With
@@ -451,6 +452,8 @@ def run(
 
     if primary not in METRICS:
         raise ValueError(f"primary: expected one of {sorted(METRICS)}, got {primary!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds: each seed once (a repeated seed counts twice), got {seeds}")
     if gate is not None and (gate not in arms or gate == "grpo"):
         raise ValueError(f"gate: expected one of the arms other than grpo, got {gate!r}")
     t0 = time.perf_counter()
@@ -490,13 +493,16 @@ def run(
         "arms": arms, "seeds": seeds, "steps": cfg.steps, "eval_n": cfg.eval_n,
         "config": asdict(cfg),
         "primary": primary,
-        "metric": f"{METRICS[primary]} on eval_n held-out problems (primary); beside it "
+        "metric": f"{METRICS[primary]} on {cfg.eval_n} held-out problems (primary); beside it "
         + ", ".join(f"{k}: {v}" for k, v in METRICS.items() if k != primary)
         + "; pass1: one sample at temperature 1",
         "final": {f"{a}/seed{s}": {k: x for k, x in v.items() if k != "logp_each"}
                   for (a, s), v in final.items()},
-        "paired": paired, "paired_at_step": at_steps, "power": power_table(paired, primary),
+        "paired": paired, "paired_at_step": at_steps,
+        "power": power_table(paired, primary, planned, len(seeds)),
         "reused_runs": reused, "workers": workers,
+        # the grid's own cost, summed over its runs (wall_s below is this invocation's)
+        "runs_wall_s": round(sum(r["wall_s"] for r in results.values()), 1),
         # a grid spread over sessions may run on both CPU classes: each run's own capability
         "run_machines": {f"{a}/seed{s}": v["machine"]["cpu_capability"]
                          for (a, s), v in results.items()},
@@ -505,6 +511,8 @@ def run(
                     "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
     }  # fmt: skip
+    classes = {s: {result["run_machines"][f"{a}/seed{s}"] for a in arms} for s in seeds}
+    result["seeds_on_two_cpu_classes"] = [s for s, c in classes.items() if len(c) > 1]
     if gate is not None:  # the registered rule (BENCHMARKS, issue 28), applied by code
         g = paired[f"{gate}-grpo"]
         result["gate"] = {
@@ -522,7 +530,9 @@ def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
 
     df, ncp = n - 1, abs(effect) / (sd / math.sqrt(n))
     crit = stats.t.ppf(1 - alpha / 2, df)
-    return float(1 - stats.nct.cdf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
+    # scipy's nct.cdf returns NaN deep in the far tail (ncp >~ 9): that tail is 0 there
+    far = stats.nct.cdf(-crit, df, ncp)
+    return float(stats.nct.sf(crit, df, ncp) + (far if math.isfinite(far) else 0.0))
 
 
 def power(sd: float, n_needed_for: float, alpha: float = 0.05, target: float = 0.8) -> int:
@@ -542,10 +552,21 @@ def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
     return hi
 
 
-def power_table(paired: dict[str, Any], primary: str = "logp") -> dict[str, Any]:
+def power_table(
+    paired: dict[str, Any], primary: str = "logp", planned: tuple[float, float] | None = None,
+    n: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Per arm, on the `primary` metric: the paired SD, the MDE at this n (80%, alpha 0.05), the
-    power this n had for the observed mean, and the n that 80% power at it would need."""
-    out = {}
+    power this n had for the observed mean (post hoc: it adds nothing to the interval; the n
+    that 80% power at that mean would need is the useful part). With `planned` = (effect, SD)
+    from a pilot, also the power the design had before it ran (`planned`, at `n` seeds)."""
+    out: dict[str, Any] = {}
+    if planned is not None:
+        effect, sd = planned
+        out["planned"] = {
+            "effect": effect, "sd": sd, "n": n, "power": power_at(effect, sd, n),
+            "mde_80": mde(sd, n), "n_for_80": power(sd, effect),
+        }  # fmt: skip
     for name, d in paired.items():
         m = d[primary]
         if m["n"] < 2 or not m["sd"] > 0:
@@ -598,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", nargs="+", default=["grpo", "oracle_sharp"],
                     help="arm names or gym arm specs, space-separated (a spec's options use commas)")  # fmt: skip
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--planned", type=float, nargs=2, metavar=("EFFECT", "SD"), default=None,
+                    help="the pilot's paired mean and SD on the primary: the design's power "
+                         "at this n, written to the JSON's power.planned")  # fmt: skip
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
@@ -621,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "prompts", "eval_n"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected an integer >= 1")
+    if len(set(a.seeds)) != len(a.seeds):
+        ap.error("--seeds: a seed given twice would be counted twice; give each once")
+    if a.planned is not None and not a.planned[1] > 0:
+        ap.error("--planned: expected EFFECT SD with SD > 0")
     if a.workers < 1:
         ap.error("--workers: expected an integer >= 1")
     if a.warm_steps < 0:
@@ -639,7 +667,16 @@ def main(argv: list[str] | None = None) -> int:
                    warm_steps=a.warm_steps)  # fmt: skip
     if a.gate is not None and (a.gate not in arms or a.gate == "grpo"):
         ap.error(f"--gate: expected one of the arms other than grpo, got {a.gate!r}")
-    result = run(arms, a.seeds, cfg, a.runs, workers=a.workers, primary=a.primary, gate=a.gate)
+    result = run(
+        arms,
+        a.seeds,
+        cfg,
+        a.runs,
+        workers=a.workers,
+        primary=a.primary,
+        gate=a.gate,
+        planned=a.planned,
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in result["paired"].items():

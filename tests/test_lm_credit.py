@@ -127,6 +127,12 @@ def test_power_is_alpha_at_no_effect_and_the_mde_is_what_n_detects():
     m = lc.mde(1.0, 12)
     assert abs(lc.power_at(m, 1.0, 12) - 0.8) < 1e-6
     assert lc.power(1.0, m * 1.01) == 12 < lc.power(1.0, m * 0.95)
+    # far past scipy's NaN tail (noncentrality ~55): power is 1, and 3 seeds already suffice
+    assert lc.power_at(16.0, 1.0, 12) == pytest.approx(1.0) and lc.power(1.0, 16.0) == 3
+    # the issue-28 pilot (BENCHMARKS): mean 0.1743, SD 0.4325 -> 51 seeds, 0.25 at 12
+    planned = lc.power_table({}, planned=(0.1743, 0.4325), n=12)["planned"]
+    assert planned["n_for_80"] == 51 and round(planned["power"], 2) == 0.25
+    assert round(planned["mde_80"], 3) == 0.384
 
 
 def test_two_workers_give_the_numbers_of_one(tmp_path):
@@ -196,6 +202,10 @@ def test_the_registered_primary_metric_drives_the_power_table(tmp_path, every_ot
         lc.main(["--tiny", "--arms", "grpo", "--primary", "accuracy"])
     with pytest.raises(SystemExit):
         lc.main(["--tiny", "--arms", "grpo", "--gate", "grpo"])
+    with pytest.raises(SystemExit):
+        lc.main(["--tiny", "--arms", "grpo", "--seeds", "3", "3"])
+    with pytest.raises(ValueError, match="seeds"):
+        lc.run(["grpo"], [0, 0], cfg, runs=tmp_path)
 
 
 def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, capsys):
@@ -203,7 +213,7 @@ def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, 
     args = ["--tiny", "--arms", "grpo", "oracle_error_only", "--seeds", "0", "1", "--steps", "1",
             "--prompts", "1", "--group", "2", "--eval-n", "2", "--warm-steps", "1",
             "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(tmp_path / "p.png"),
-            "--gate", "oracle_error_only"]  # fmt: skip
+            "--gate", "oracle_error_only", "--planned", "0.1743", "0.4325"]  # fmt: skip
     assert lc.main(args) == 0
     result = json.loads(out.read_text())
     pair = result["paired"]["oracle_error_only-grpo"]
@@ -211,6 +221,8 @@ def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, 
     assert {"arms", "seeds", "steps", "eval_n", "metric", "power", "wall_s", "machine"} <= set(
         result
     )
+    assert result["power"]["planned"]["n"] == 2 and result["power"]["planned"]["n_for_80"] == 51
+    assert result["seeds_on_two_cpu_classes"] == [] and result["runs_wall_s"] > 0
     gate = result["gate"]
     assert (gate["arm"], gate["metric"], gate["ci"]) == ("oracle_error_only", "logp", pair["ci"])
     assert gate["passed"] == (pair["ci"][0] > 0)
