@@ -524,6 +524,20 @@ def run(
     return result
 
 
+def status(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> str:
+    """A seeds x arms table of kept runs ("x") and missing ones ("."); reads names, not numbers."""
+    lines = [f"{'seed':>6}  " + "  ".join(arms)]
+    done = 0
+    for seed in seeds:
+        kept = [(runs / f"{run_key(arm, seed, cfg)}.json").is_file() for arm in arms]
+        done += sum(kept)
+        marks = ["x" if k else "." for k in kept]
+        cells = (f"{m:>{len(a)}}" for m, a in zip(marks, arms, strict=True))
+        lines.append(f"{seed:>6}  " + "  ".join(cells))
+    lines.append(f"{done} of {len(arms) * len(seeds)} runs kept in {runs}")
+    return "\n".join(lines)
+
+
 def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
     """Power of a two-sided paired t test with n pairs for a true mean difference `effect`."""
     from scipy import stats
@@ -641,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gate", default=None,
                     help="the positive control: the grid counts only if ARM - grpo's 95%% lower "
                          "bound on the primary metric is above 0 (written to the JSON)")  # fmt: skip
+    ap.add_argument("--status", action="store_true",
+                    help="list which (arm, seed) runs are kept, without their numbers, and exit "
+                         "(a grid spread over sessions is not read before it is complete)")  # fmt: skip
     a = ap.parse_args(argv)
     for name in ("steps", "prompts", "eval_n"):
         if getattr(a, name) < 1:
@@ -667,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                    warm_steps=a.warm_steps)  # fmt: skip
     if a.gate is not None and (a.gate not in arms or a.gate == "grpo"):
         ap.error(f"--gate: expected one of the arms other than grpo, got {a.gate!r}")
+    if a.status:
+        print(status(arms, a.seeds, cfg, a.runs))
+        return 0
     result = run(
         arms,
         a.seeds,

@@ -89,6 +89,9 @@ def test_a_rerun_reads_finished_runs_back(tmp_path):
         "oracle_sharp/seed0",
     ]
     assert again["final"] == first["final"]
+    table = lc.status(["grpo", "oracle_sharp", "rlsd"], [0, 1], cfg, tmp_path).splitlines()
+    assert table[1].split() == ["0", "x", "x", "."] and table[2].split() == ["1", ".", ".", "."]
+    assert table[-1].startswith("2 of 6 runs kept")
     cap = str(torch.backends.cpu.get_cpu_capability())
     assert again["run_machines"] == {"grpo/seed0": cap, "oracle_sharp/seed0": cap}
     assert {"arms", "seeds", "steps", "eval_n", "metric", "paired", "wall_s", "machine"} <= set(
