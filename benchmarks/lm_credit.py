@@ -472,18 +472,11 @@ def run(
     results = {(j[0], j[1]): r for j, r in zip(jobs, done, strict=True)}
     reused = [f"{a}/seed{s}" for (a, s), r in results.items() if r.pop("reused", False)]
     final = {k: v["curve"][-1] for k, v in results.items()}
-    paired, at_steps = {}, {}
+    paired = paired_final(final, arms, seeds, primary)
+    at_steps: dict[str, Any] = {}
     for arm in arms:
         if arm == "grpo":
             continue
-        for metric in ("logp", "prob", "pass1"):
-            d = [final[(arm, s)][metric] - final[("grpo", s)][metric] for s in seeds]
-            t = t_interval(d)
-            paired.setdefault(f"{arm}-grpo", {})[metric] = {
-                "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
-        # the issue's schema, {"mean", "ci"} of the registered primary, beside every metric's
-        primary_t = paired[f"{arm}-grpo"][primary]
-        paired[f"{arm}-grpo"].update(mean=primary_t["mean"], ci=primary_t["ci"])
         for step in sorted(set(cfg.read_at) - {cfg.steps}):
             at = {k: {c["step"]: c[primary] for c in v["curve"]} for k, v in results.items()}
             t = t_interval([at[(arm, s)][step] - at[("grpo", s)][step] for s in seeds])
@@ -513,6 +506,16 @@ def run(
     }  # fmt: skip
     classes = {s: {result["run_machines"][f"{a}/seed{s}"] for a in arms} for s in seeds}
     result["seeds_on_two_cpu_classes"] = [s for s, c in classes.items() if len(c) > 1]
+    # BENCHMARKS' rule for a grid spread over CPU classes: the intervals over all seeds, and
+    # beside them over each class's own seeds (a seed whose arms ran on two classes is in none)
+    by_class: dict[str, list[int]] = {}
+    for s, c in classes.items():
+        if len(c) == 1:
+            by_class.setdefault(next(iter(c)), []).append(s)
+    result["paired_by_cpu_class"] = {
+        c: {"seeds": ss, "paired": paired_final(final, arms, ss, primary) if len(ss) >= 2 else {}}
+        for c, ss in sorted(by_class.items())
+    }
     if gate is not None:  # the registered rule (BENCHMARKS, issue 28), applied by code
         g = paired[f"{gate}-grpo"]
         result["gate"] = {
@@ -522,6 +525,26 @@ def run(
                     f"0 on the primary metric ({primary})",
         }  # fmt: skip
     return result
+
+
+def paired_final(
+    final: dict[tuple[str, int], dict[str, float]], arms: list[str], seeds: list[int],
+    primary: str = "logp",
+) -> dict[str, Any]:  # fmt: skip
+    """Each arm - grpo at the last step over `seeds`: 95% paired t per metric, and the issue's
+    `{"mean", "ci"}` of the `primary` beside them. `final[(arm, seed)]` maps metric -> value."""
+    from gear.gym.report import t_interval
+
+    paired: dict[str, Any] = {}
+    for arm in arms:
+        if arm == "grpo":
+            continue
+        out = paired[f"{arm}-grpo"] = {}
+        for metric in ("logp", "prob", "pass1"):
+            t = t_interval([final[(arm, s)][metric] - final[("grpo", s)][metric] for s in seeds])
+            out[metric] = {"mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}
+        out.update(mean=out[primary]["mean"], ci=out[primary]["ci"])
+    return paired
 
 
 def status(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> str:

@@ -233,3 +233,28 @@ def test_the_command_writes_the_issues_schema_and_prints_every_metric(tmp_path, 
     assert "gate (oracle_error_only - grpo, logp)" in printed
     assert "oracle_error_only-grpo" in printed and all(m in printed for m in ("prob", "pass1"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_grid_over_two_cpu_classes_gives_each_classs_intervals_and_names_mixed_seeds(tmp_path):
+    """BENCHMARKS' rule for a grid spread over sessions on two CPU classes: the intervals over
+    every seed, and beside them over each class's own seeds; a seed run on both is in neither."""
+    cfg = replace(TINY, prompts=1, group=2, eval_n=2)
+    arms, seeds = ["grpo", "oracle_error_only"], [0, 1, 2, 3, 4]
+    first = lc.run(arms, seeds, cfg, runs=tmp_path)
+    other = {("grpo", 2), ("oracle_error_only", 2), ("grpo", 3), ("oracle_error_only", 3),
+             ("grpo", 4)}  # fmt: skip
+    for arm, seed in other:  # as if these ran in a later session on the other class
+        path = tmp_path / f"{lc.run_key(arm, seed, cfg)}.json"
+        kept = json.loads(path.read_text())
+        kept["machine"]["cpu_capability"] = "OTHER"
+        path.write_text(json.dumps(kept))
+    out = lc.run(arms, seeds, cfg, runs=tmp_path)
+    assert out["paired"] == first["paired"] and out["seeds_on_two_cpu_classes"] == [4]
+    cap = str(torch.backends.cpu.get_cpu_capability())
+    by = out["paired_by_cpu_class"]
+    assert {c: v["seeds"] for c, v in by.items()} == {cap: [0, 1], "OTHER": [2, 3]}
+    for v in by.values():
+        d = [out["final"][f"oracle_error_only/seed{s}"]["prob"]
+             - out["final"][f"grpo/seed{s}"]["prob"] for s in v["seeds"]]  # fmt: skip
+        got = v["paired"]["oracle_error_only-grpo"]["prob"]
+        assert got["n"] == 2 and got["mean"] == pytest.approx(sum(d) / 2)
