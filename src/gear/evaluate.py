@@ -2,7 +2,12 @@
 
 pass@k uses the unbiased estimator of Chen et al. (2021, arXiv 2107.03374) over `samples`
 completions per problem: 1 - C(n - c, k) / C(n, k). With `samples=1` and `temperature=0` it is
-greedy accuracy.
+greedy accuracy; with `samples=k` at a temperature T > 0, pass@1 is the mean reward of k samples
+per problem at T (a 0/1 reward), the learning metric of `gear train` (`mean_reward`).
+
+Sample j of a problem is drawn from noise fixed by (the evaluation seed, the problem's prompt, j)
+(`gear.sampling`): two models, or one model at two steps, are scored on the same draws, so a
+difference between them is the models', not the sampler's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gear.sampling import sample, text_seed
 from gear.tasks.base import Task
 
 
@@ -62,7 +68,6 @@ def render_prompts(tokenizer: Any, rows: list[dict[str, Any]]) -> list[str]:
     return texts
 
 
-@torch.no_grad()
 def generate(
     model: Any,
     tokenizer: Any,
@@ -71,30 +76,22 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     num_return_sequences: int = 1,
+    seed: int = 0,
 ) -> list[list[str]]:
-    """Completions (text up to the first eos) for each prompt: `num_return_sequences` each."""
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    enc = {k: v.to(model.device) for k, v in enc.items()}
-    sampling = temperature > 0
-    out = model.generate(
-        **enc,
+    """Completions (text up to the first eos) for each prompt: `num_return_sequences` each,
+    sample j of a prompt drawn from seeds fixed by (`seed`, the prompt's text, j)
+    (`gear.sampling`), so the same problem gets the same draws in any batch, model or step."""
+    seeds = [text_seed(p, seed) for p in prompts]
+    ids = sample(
+        model,
+        tokenizer,
+        prompts,
+        seeds,
+        k=num_return_sequences,
+        temperature=temperature,
         max_new_tokens=max_new_tokens,
-        do_sample=sampling,
-        temperature=temperature if sampling else None,
-        top_p=1.0 if sampling else None,
-        top_k=0 if sampling else None,
-        num_return_sequences=num_return_sequences,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return [
-        texts[i * num_return_sequences : (i + 1) * num_return_sequences]
-        for i in range(len(prompts))
-    ]
+    return [tokenizer.batch_decode(rows, skip_special_tokens=True) for rows in ids]
 
 
 def evaluate(
@@ -122,7 +119,6 @@ def evaluate(
         raise ValueError(f"samples: expected an integer >= 1, got {samples}")
     if temperature <= 0 and samples > 1:
         raise ValueError("samples > 1 needs temperature > 0 (greedy decoding repeats itself)")
-    torch.manual_seed(seed)
     tokenizer = task.prepare_tokenizer(tokenizer)
     rows = list(task.dataset(split, n=n, seed=seed))
     was_training = model.training
@@ -138,6 +134,7 @@ def evaluate(
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 num_return_sequences=samples,
+                seed=seed,
             )
             for row, completions in zip(batch, outs, strict=True):
                 correct = [task.is_correct(c, row["answer"]) for c in completions]

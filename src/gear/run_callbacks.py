@@ -364,14 +364,52 @@ def plain_forward(model: Any) -> Iterator[Any]:
 
 
 def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, label: str) -> dict:
-    """Held-out pass@1 of `model` now (config: eval_n, eval_temperature, ...), with progress."""
+    """Held-out scores of `model` now, with progress: greedy pass@1 (`eval_temperature`, 0 by
+    default) on `eval_n` problems and, when `eval_samples` > 0, the mean reward of that many
+    samples per problem at the training temperature (`mean_reward`, the learning metric), with
+    each problem's score under `per_problem` (for paired intervals). Problems and sampling
+    noise come from `eval_seed`, the same for every run."""
+    greedy = _evaluate_with_progress(
+        model, tokenizer, task, cfg, console, label, 1, cfg.eval_temperature
+    )
+    out = greedy.summary() | {"per_problem": {"greedy": _scores(greedy)}}
+    k = getattr(cfg, "eval_samples", 0)
+    if k:
+        temperature = float(cfg.trainer.get("temperature", 1.0))
+        sampled = _evaluate_with_progress(model, tokenizer, task, cfg, console, label, k, temperature)
+        out |= {
+            "mean_reward": sampled.accuracy,
+            "samples": k,
+            "sample_temperature": temperature,
+            "per_problem": out["per_problem"] | {"mean_reward": _scores(sampled)},
+        }
+    if console is not None:
+        line = f"held-out greedy pass@1 {label}: [bold]{greedy.accuracy:.3f}[/]"
+        if k:
+            line += f", mean reward of {k} samples at T={temperature:g}: [bold]{out['mean_reward']:.3f}[/]"
+        console.print(f"{line} ({greedy.n_problems} problems)")
+    return out
+
+
+def _scores(result: Any) -> list[float]:
+    """Each problem's mean reward over its samples (0/1 rewards: the fraction correct)."""
+    return [sum(r["correct"]) / len(r["correct"]) for r in result.rows]
+
+
+def _evaluate_with_progress(
+    model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, label: str, samples: int,
+    temperature: float,
+) -> Any:
     from gear.evaluate import evaluate
 
+    what = "greedy" if samples == 1 and temperature == 0 else f"{samples} samples at T={temperature:g}"
     bar: Any = None
     ctx: Any = contextlib.nullcontext()
     if console is not None and not console.is_terminal:  # no live bar in a log: say what runs
         console.print(
-            f"evaluating {label}: {cfg.eval_n} held-out problems", highlight=False, soft_wrap=True
+            f"evaluating {label}: {cfg.eval_n} held-out problems, {what}",
+            highlight=False,
+            soft_wrap=True,
         )
     elif console is not None:
         from rich.progress import (
@@ -383,7 +421,7 @@ def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, 
         )
 
         bar = Progress(
-            TextColumn(f"[bold]eval {label}"),
+            TextColumn(f"[bold]eval {label} ({what})"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeRemainingColumn(),
@@ -392,25 +430,21 @@ def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, 
         ctx = bar
     with ctx, plain_forward(model):
         job = bar.add_task("eval", total=cfg.eval_n) if bar else None
-        result = evaluate(
+        return evaluate(
             model,
             tokenizer,
             task,
             split="test",
             n=cfg.eval_n,
-            temperature=cfg.eval_temperature,
+            samples=samples,
+            temperature=temperature,
             max_new_tokens=cfg.eval_max_new_tokens,
             batch_size=cfg.eval_batch_size,
-            seed=cfg.seed,
+            seed=getattr(cfg, "eval_seed", 0),
             progress=(lambda done, total: bar.update(job, completed=done, total=total))
             if bar
             else None,
         )
-    if console is not None:
-        console.print(
-            f"held-out pass@1 {label}: [bold]{result.accuracy:.3f}[/] ({result.n_problems} problems)"
-        )
-    return result.summary()
 
 
 class EvalCallback(TrainerCallback):
@@ -459,7 +493,9 @@ class EvalCallback(TrainerCallback):
             # in eval mode, the step's row would lose reward, gear/* and completion statistics
             model.train(was_training)
         MetricsFile(Path(args.output_dir) / "metrics.jsonl").write(
-            step, {"eval/accuracy": result["pass@1"]}
+            step,
+            {"eval/accuracy": result["pass@1"]}
+            | ({"eval/mean_reward": result["mean_reward"]} if "mean_reward" in result else {}),
         )
         if self.console is not None:
             self.console.log(f"step {step}: held-out pass@1 {result['pass@1']:.3f}")

@@ -1,0 +1,62 @@
+"""Paired statistics over seeds or problems: t-intervals, power and minimum detectable effect.
+
+Every interval is a two-sided Student-t interval of a mean (scipy's t quantiles); power is that
+of the two-sided paired t-test, from the noncentral t distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
+    """{"mean", "ci": [lo, hi], "sd", "n"} of `values`: mean, two-sided t-interval at `level`,
+    sample SD (ddof 1). An interval needs two values or more (else NaN)."""
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n if n else math.nan
+    if n < 2:
+        return {"mean": mean, "ci": [math.nan, math.nan], "sd": math.nan, "n": n}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return {"mean": mean, "ci": [mean - half, mean + half], "sd": sd, "n": n}
+
+
+def paired(
+    a: Sequence[float], b: Sequence[float], level: float = 0.95
+) -> dict[str, Any]:
+    """`t_interval` of the differences a[i] - b[i] (pairs: same seed, or same problem)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired: {len(a)} values against {len(b)}; pairs need equal lengths")
+    return t_interval([x - y for x, y in zip(a, b, strict=True)], level)
+
+
+def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided paired t-test at level `alpha` with `n` pairs whose differences
+    have SD `sd`, when the true mean difference is `effect`."""
+    from scipy import stats
+
+    if n < 2 or sd <= 0:
+        return math.nan
+    df = n - 1
+    crit = float(stats.t.ppf(1 - alpha / 2, df))
+    ncp = effect / (sd / math.sqrt(n))
+    upper = float(stats.nct.sf(crit, df, ncp))
+    lower = float(stats.nct.cdf(-crit, df, ncp))
+    # scipy's nct returns NaN deep in a far tail (|ncp| >~ 9): that tail is 0 there
+    return (0.0 if math.isnan(upper) else upper) + (0.0 if math.isnan(lower) else lower)
+
+
+def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
+    """The smallest true effect that `n` pairs with difference SD `sd` detect with power
+    `target` (two-sided paired t-test at `alpha`), by bisection on `power_at`."""
+    if n < 2 or sd <= 0:
+        return math.nan
+    lo, hi = 0.0, 20.0 * sd
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if power_at(mid, sd, n, alpha) < target else (lo, mid)
+    return hi

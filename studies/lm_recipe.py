@@ -1,0 +1,285 @@
+"""A real LM that learns (issue 35): the recipe sweep, the learning gate and the main job's seeds.
+
+Every run is `gear train` itself (a subprocess, one thread each), so what is measured is what
+users run. A run's record (its summary with per-problem held-out scores, its per-step reward and
+seconds, the config it ran) is kept in `studies/results/lm_recipe_runs/<run>.json` as it finishes;
+a stopped study resumes: finished records are read back, an interrupted run continues from its
+last checkpoint (`gear train --resume`).
+
+Stages (the rule is written in docs/evidence/lm_recipe.md before any of their runs):
+- `sweep`: each setting of `SETTINGS`, GRPO, sweep seed 100 (not a gate seed).
+- `gate`: GRPO on the chosen setting, seeds 0..7; `gear.evidence.learning_gate` decides.
+- `main`: `gear train` as shipped (the default recipe: the paper's GEAR), seeds 0..4.
+- `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
+
+    python studies/lm_recipe.py sweep --workers 2
+    python studies/lm_recipe.py gate --setting lora16_lr5e-4 --workers 2
+    python studies/lm_recipe.py main --workers 2
+    python studies/lm_recipe.py report --setting lora16_lr5e-4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "studies" / "results"
+RECORDS = RESULTS / "lm_recipe_runs"
+RUNS = ROOT / "runs" / "lm_recipe"  # run directories (checkpoints): not committed
+SWEEP_SEED = 100
+GATE_SEEDS = list(range(8))
+MAIN_SEEDS = list(range(5))
+
+#: what every sweep setting shares (the held-out metric above all): gear train's default recipe
+#: with these keys set
+BASE: dict[str, Any] = {
+    "task_options": {"mix": "1digit:0.8,2digit:0.2"},
+    "eval_n": 200,
+    "eval_samples": 8,
+    "eval_max_new_tokens": 32,
+    "eval_seed": 0,
+    "max_completion_length": 32,
+    "temperature": 0.7,
+    "per_device_train_batch_size": 32,
+    "num_generations": 4,
+    "max_steps": 16,
+    "beta": 0.0,
+}
+
+#: the sweep: name -> keys over BASE (all GRPO)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "lora16_lr2e-4": {"lora_r": 16, "learning_rate": 2e-4},
+    "lora16_lr5e-4": {"lora_r": 16, "learning_rate": 5e-4},
+    "full_lr3e-6_warmup": {"lora_r": 0, "learning_rate": 3e-6, "warmup_ratio": 0.1},
+    "lora16_lr2e-4_kl0.04": {"lora_r": 16, "learning_rate": 2e-4, "beta": 0.04},
+}
+
+
+def run_name(stage: str, setting: str, method: str, seed: int) -> str:
+    return f"{stage}-{setting}-{method}-seed{seed}"
+
+
+def settings_of(stage: str, setting: str, method: str) -> dict[str, Any]:
+    """The --set keys of a run: the main job runs the shipped default recipe untouched."""
+    if stage == "main":
+        return {}
+    return {**BASE, **SETTINGS[setting], "credit_method": method}
+
+
+def gear_command(name: str, keys: dict[str, Any], seed: int, resume: bool) -> list[str]:
+    exe = [sys.executable, "-m", "gear.cli", "train"]
+    if resume:
+        return [*exe, "--resume", str(RUNS / name)]
+    args = [*exe, "--seed", str(seed), "--output-dir", str(RUNS / name)]
+    for key, value in keys.items():
+        args += ["--set", f"{key}={json.dumps(value) if isinstance(value, dict) else value}"]
+    return args
+
+
+def run_one(stage: str, setting: str, method: str, seed: int, threads: int = 1) -> dict:
+    """One run to its record (read back if kept; resumed if stopped)."""
+    name = run_name(stage, setting, method, seed)
+    record = RECORDS / f"{name}.json"
+    if record.is_file():
+        return json.loads(record.read_text())
+    run_dir = RUNS / name
+    resume = (run_dir / "config.yaml").is_file()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    RUNS.mkdir(parents=True, exist_ok=True)
+    log = RUNS / f"{name}.log"
+    t0 = time.time()
+    with log.open("a") as out:
+        done = subprocess.run(
+            gear_command(name, settings_of(stage, setting, method), seed, resume),
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: gear train exited with {done.returncode}; see {log}")
+    return keep(name, stage, setting, method, seed, time.time() - t0, resumed=resume)
+
+
+def keep(
+    name: str, stage: str, setting: str, method: str, seed: int, wall: float, resumed: bool
+) -> dict:
+    """The record of a finished run, written atomically."""
+    import torch
+    import yaml
+
+    from gear.run_callbacks import read_metrics
+
+    run_dir = RUNS / name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    steps = [m for m in metrics if "reward" in m]
+    record = {
+        "name": name,
+        "stage": stage,
+        "setting": setting,
+        "method": summary["method"],
+        "seed": seed,
+        "config": yaml.safe_load((run_dir / "config.yaml").read_text()),
+        "before": summary["eval_before"],
+        "after": summary["eval_after"],
+        "reward": [m["reward"] for m in steps],
+        "step_seconds": [m.get("step_time", m.get("gear/step_seconds")) for m in steps],
+        "train_seconds": summary.get("train_seconds"),
+        "wall_s": wall,
+        "resumed": resumed,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    tmp = RECORDS / f".{name}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, RECORDS / f"{name}.json")
+    return record
+
+
+def ensure_before(stage: str, setting: str, method: str) -> None:
+    """The shared held-out scores before training, computed once (all cores) and cached for
+    every run (`gear.run.cached_eval_before`), so parallel runs do not each compute them."""
+    from gear.run import cached_eval_before, resolve_config, store_eval_before
+    from gear.run_callbacks import evaluate_now
+
+    cfg = resolve_config(None, settings_of(stage, setting, method))
+    if cached_eval_before(cfg) is not None:
+        return
+    from gear.models import load_model_and_tokenizer
+    from gear.tasks import get_task
+
+    print(f"computing the shared evaluation before training ({cfg.eval_n} problems)", flush=True)
+    model, tok = load_model_and_tokenizer(cfg.model)
+    task = get_task(cfg.task, **cfg.task_options)
+    store_eval_before(cfg, evaluate_now(model, task.prepare_tokenizer(tok), task, cfg, None, "before"))
+
+
+def run_all(jobs: list[tuple[str, str, str, int]], workers: int) -> list[dict]:
+    ensure_before(*jobs[0][:3])
+    def go(job: tuple[str, str, str, int]) -> dict:
+        record = run_one(*job)
+        print(f"kept {record['name']}", flush=True)
+        return record
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(go, jobs))
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def records(stage: str, setting: str | None = None) -> list[dict]:
+    out = [json.loads(p.read_text()) for p in sorted(RECORDS.glob(f"{stage}-*.json"))]
+    return [r for r in out if setting is None or r["setting"] == setting]
+
+
+def sweep_entry(r: dict) -> dict:
+    from gear.evidence import paired, slope
+
+    seconds = [s for s in r["step_seconds"] if s is not None]
+    return {
+        "setting": r["setting"],
+        "keys": SETTINGS.get(r["setting"], {}),
+        "seed": r["seed"],
+        "before": {"mean_reward": r["before"]["mean_reward"], "greedy": r["before"]["pass@1"]},
+        "after": {"mean_reward": r["after"]["mean_reward"], "greedy": r["after"]["pass@1"]},
+        "gain_over_problems": paired(
+            r["after"]["per_problem"]["mean_reward"], r["before"]["per_problem"]["mean_reward"]
+        ),
+        "reward_slope": slope(r["reward"]),
+        "seconds_per_step": sorted(seconds)[len(seconds) // 2] if seconds else None,
+        "capability": r["capability"],
+    }
+
+
+def report(setting: str | None, out: Path) -> dict:
+    from gear.evidence import learning_gate, paired
+
+    result: dict[str, Any] = {"sweep": [sweep_entry(r) for r in records("sweep")]}
+    gate_runs = records("gate", setting) if setting else []
+    if gate_runs:
+        per_problem = [
+            paired(r["after"]["per_problem"]["mean_reward"], r["before"]["per_problem"]["mean_reward"])["mean"]
+            for r in gate_runs
+        ]
+        result["gate"] = learning_gate(
+            [r["before"]["mean_reward"] for r in gate_runs],
+            [r["after"]["mean_reward"] for r in gate_runs],
+            [r["reward"] for r in gate_runs],
+            seeds=[r["seed"] for r in gate_runs],
+            metric="held-out mean reward (8 samples per problem at T=0.7, 200 problems)",
+        ) | {
+            "setting": setting,
+            "greedy": paired([r["after"]["pass@1"] for r in gate_runs], [r["before"]["pass@1"] for r in gate_runs]),
+            "per_seed_gain": per_problem,
+            "resumed": [r["seed"] for r in gate_runs if r["resumed"]],
+            "capability": sorted({r["capability"] for r in gate_runs}),
+        }
+    main = records("main")
+    if main:
+        result["main_job"] = {
+            "seeds": [r["seed"] for r in main],
+            "method": sorted({r["method"] for r in main}),
+            "before": [r["before"]["mean_reward"] for r in main],
+            "after": [r["after"]["mean_reward"] for r in main],
+            "greedy_before": [r["before"]["pass@1"] for r in main],
+            "greedy_after": [r["after"]["pass@1"] for r in main],
+            "learned": sum(a > b for a, b in zip(
+                [r["after"]["mean_reward"] for r in main], [r["before"]["mean_reward"] for r in main], strict=True
+            )),
+            "wall_s": [r["wall_s"] for r in main],
+            "capability": [r["capability"] for r in main],
+            "resumed": [r["seed"] for r in main if r["resumed"]],
+        }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print_table(result)
+    return result
+
+
+def print_table(result: dict) -> None:
+    print("| setting | seed | mean reward before -> after | gain [95% over problems] | greedy | reward slope / step | s/step | CPU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e in result["sweep"]:
+        g = e["gain_over_problems"]
+        print(
+            f"| {e['setting']} | {e['seed']} | {e['before']['mean_reward']:.3f} -> {e['after']['mean_reward']:.3f} "
+            f"| {g['mean']:+.3f} [{g['ci'][0]:+.3f}, {g['ci'][1]:+.3f}] | {e['before']['greedy']:.3f} -> "
+            f"{e['after']['greedy']:.3f} | {e['reward_slope']:+.4f} | {e['seconds_per_step']} | {e['capability']} |"
+        )
+    if "gate" in result:
+        g = result["gate"]
+        p = g["paired"]
+        print(f"gate ({g['setting']}, seeds {g['seeds']}): after - before {p['mean']:+.3f} "
+              f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], slope {g['reward_slope']['mean']:+.4f}, passed={g['passed']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["sweep", "gate", "main", "report"])
+    ap.add_argument("--setting", help="the sweep setting the gate runs on (the rule's choice)")
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    ap.add_argument("--seeds", nargs="*", type=int)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "lm_recipe.json")
+    a = ap.parse_args(argv)
+    if a.stage == "sweep":
+        run_all([("sweep", s, "grpo", SWEEP_SEED) for s in a.settings], a.workers)
+    elif a.stage == "gate":
+        if a.setting not in SETTINGS:
+            ap.error(f"--setting: one of {list(SETTINGS)}")
+        run_all([("gate", a.setting, "grpo", s) for s in a.seeds or GATE_SEEDS], a.workers)
+    elif a.stage == "main":
+        run_all([("main", "default", "default", s) for s in a.seeds or MAIN_SEEDS], a.workers)
+    report(a.setting, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
