@@ -12,12 +12,19 @@ forward/backward, optimizer).
     .venv/bin/python benchmarks/step.py --no-bf16              # embedded SmolLM2, 16 completions
     .venv/bin/python benchmarks/step.py --model /path/to/model --steps 4 --repeats 3
     .venv/bin/python benchmarks/step.py --methods grpo,gear    # without the "before" arm
+    .venv/bin/python benchmarks/step.py --no-bf16 --lora 16 --completions 32 --generations 4 \
+        --completion-length 32 --temperature 0.7 --methods grpo,gear   # gear train's recipe
+
+With `--lora R` every arm trains a LoRA adapter of rank R (gear train's `lora_r`: the same
+PEFT config for TRL's trainer and GEAR's); its result is kept under `lora_r<R>` in step.json
+beside the full fine-tuning figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
@@ -29,7 +36,7 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, print_table, write_json
+from common import RESULTS, machine, print_table, write_json
 
 GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "credit")
 METHODS = ("grpo", "gear", "gear_unshared")
@@ -59,7 +66,7 @@ def trainer_fields(args: argparse.Namespace) -> dict[str, Any]:
         per_device_train_batch_size=args.completions,
         num_generations=args.generations,
         max_completion_length=args.completion_length,
-        temperature=1.0,
+        temperature=args.temperature,
         beta=0.0,
         bf16=args.bf16,
         activation_checkpointing=False,
@@ -75,13 +82,14 @@ def run(
 ) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
-    from gear.run import build_trainer, resolve_values, trainer_args
+    from gear.run import build_trainer, lora_config, resolve_values, trainer_args
     from gear.tasks import get_task
 
     task = get_task("arithmetic")
     fields = trainer_fields(args)
     model = copy.deepcopy(model0)
     clock = StepClock()
+    peft_config = lora_config(resolve_values({"lora_r": args.lora}))  # None without --lora
     if method == "grpo":  # TRL's own trainer: the baseline GEAR's cost is measured against
         config = GRPOConfig(
             **fields, output_dir=out, seed=args.seed, use_cpu=not torch.cuda.is_available()
@@ -93,6 +101,7 @@ def run(
             train_dataset=dataset,
             processing_class=tokenizer,
             callbacks=[clock],
+            peft_config=peft_config,
         )
     else:  # gear train's recipe (gear.run) with this config
         gear = dict(
@@ -105,7 +114,7 @@ def run(
             {"model": args.model, "task": "arithmetic", "seed": args.seed, "trainer": fields | gear}
         )
         targs = trainer_args(cfg, Path(out), hint_kind=task.hint_kind)
-        trainer = build_trainer(targs, model, tokenizer, task, dataset, [clock])
+        trainer = build_trainer(targs, model, tokenizer, task, dataset, [clock], peft_config)
     gen_times: list[float] = []
     original = trainer._generate
 
@@ -160,6 +169,8 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8, help="completions per prompt")
     ap.add_argument("--completion-length", type=int, default=48)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank of every arm (0: full)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--learning-rate",
@@ -266,21 +277,23 @@ def main() -> None:
             f"{before['teacher_s']:.2f} s -> {gear['teacher_s']:.2f} s "
             f"({100 * extra['teacher_share_of_unshared']:.0f}%)"
         )
-    write_json(
-        args.name,
-        {
-            "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},
-            "precision": "bf16 autocast" if args.bf16 else "float32",
-            "args": vars(args),
-            "rows": rows,
-            "summary": summary,
-            "ratio": ratio,
-            "ratio_cpu": gear["cpu_s"] / grpo["cpu_s"],
-            "paired_ratios": pair_ratios,
-            **extra,
-            "credit_share": credit_share,
-        },
-    )
+    result = {
+        "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},
+        "precision": "bf16 autocast" if args.bf16 else "float32",
+        "args": vars(args),
+        "rows": rows,
+        "summary": summary,
+        "ratio": ratio,
+        "ratio_cpu": gear["cpu_s"] / grpo["cpu_s"],
+        "paired_ratios": pair_ratios,
+        **extra,
+        "credit_share": credit_share,
+    }
+    if args.lora:  # beside the full fine-tuning figures of the same file
+        path = RESULTS / f"{args.name}.json"
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+        result = kept | {f"lora_r{args.lora}": result}
+    write_json(args.name, result)
 
 
 if __name__ == "__main__":

@@ -157,11 +157,14 @@ def ensure_before(stage: str, setting: str, method: str) -> None:
     print(f"computing the shared evaluation before training ({cfg.eval_n} problems)", flush=True)
     model, tok = load_model_and_tokenizer(cfg.model)
     task = get_task(cfg.task, **cfg.task_options)
-    store_eval_before(cfg, evaluate_now(model, task.prepare_tokenizer(tok), task, cfg, None, "before"))
+    store_eval_before(
+        cfg, evaluate_now(model, task.prepare_tokenizer(tok), task, cfg, None, "before")
+    )
 
 
 def run_all(jobs: list[tuple[str, str, str, int]], workers: int) -> list[dict]:
     ensure_before(*jobs[0][:3])
+
     def go(job: tuple[str, str, str, int]) -> dict:
         record = run_one(*job)
         print(f"kept {record['name']}", flush=True)
@@ -205,7 +208,9 @@ def report(setting: str | None, out: Path) -> dict:
     gate_runs = records("gate", setting) if setting else []
     if gate_runs:
         per_problem = [
-            paired(r["after"]["per_problem"]["mean_reward"], r["before"]["per_problem"]["mean_reward"])["mean"]
+            paired(
+                r["after"]["per_problem"]["mean_reward"], r["before"]["per_problem"]["mean_reward"]
+            )["mean"]
             for r in gate_runs
         ]
         result["gate"] = learning_gate(
@@ -216,7 +221,10 @@ def report(setting: str | None, out: Path) -> dict:
             metric="held-out mean reward (8 samples per problem at T=0.7, 200 problems)",
         ) | {
             "setting": setting,
-            "greedy": paired([r["after"]["pass@1"] for r in gate_runs], [r["before"]["pass@1"] for r in gate_runs]),
+            "greedy": paired(
+                [r["after"]["pass@1"] for r in gate_runs],
+                [r["before"]["pass@1"] for r in gate_runs],
+            ),
             "per_seed_gain": per_problem,
             "resumed": [r["seed"] for r in gate_runs if r["resumed"]],
             "capability": sorted({r["capability"] for r in gate_runs}),
@@ -230,9 +238,14 @@ def report(setting: str | None, out: Path) -> dict:
             "after": [r["after"]["mean_reward"] for r in main],
             "greedy_before": [r["before"]["pass@1"] for r in main],
             "greedy_after": [r["after"]["pass@1"] for r in main],
-            "learned": sum(a > b for a, b in zip(
-                [r["after"]["mean_reward"] for r in main], [r["before"]["mean_reward"] for r in main], strict=True
-            )),
+            "learned": sum(
+                a > b
+                for a, b in zip(
+                    [r["after"]["mean_reward"] for r in main],
+                    [r["before"]["mean_reward"] for r in main],
+                    strict=True,
+                )
+            ),
             "wall_s": [r["wall_s"] for r in main],
             "capability": [r["capability"] for r in main],
             "resumed": [r["seed"] for r in main if r["resumed"]],
@@ -244,7 +257,9 @@ def report(setting: str | None, out: Path) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print("| setting | seed | mean reward before -> after | gain [95% over problems] | greedy | reward slope / step | s/step | CPU |")
+    print(
+        "| setting | seed | mean reward before -> after | gain [95% over problems] | greedy | reward slope / step | s/step | CPU |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for e in result["sweep"]:
         g = e["gain_over_problems"]
@@ -256,12 +271,16 @@ def print_table(result: dict) -> None:
     if "gate" in result:
         g = result["gate"]
         p = g["paired"]
-        print(f"gate ({g['setting']}, seeds {g['seeds']}): after - before {p['mean']:+.3f} "
-              f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], slope {g['reward_slope']['mean']:+.4f}, passed={g['passed']}")
+        print(
+            f"gate ({g['setting']}, seeds {g['seeds']}): after - before {p['mean']:+.3f} "
+            f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], slope {g['reward_slope']['mean']:+.4f}, passed={g['passed']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("stage", choices=["sweep", "gate", "main", "report"])
     ap.add_argument("--setting", help="the sweep setting the gate runs on (the rule's choice)")
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))

@@ -73,7 +73,7 @@ def test_train_writes_a_complete_run_directory(run_dir):
     ):
         assert (run_dir / name).exists(), name
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["method"] == "gear_departure_blame" and summary["steps"] == 2
+    assert summary["method"] == "gear" and summary["steps"] == 2
     assert {"eval_before", "eval_after"} <= set(summary)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m["step"] for m in metrics if "gear/kl_mean" in m]
@@ -127,7 +127,7 @@ def test_set_values_are_converted_only_where_lossless_and_stay_plain_yaml():
 @pytest.mark.parametrize(
     ("args", "names"),
     [
-        (["--method", "grpo"], ["--method grpo", "credit_method: 'gear_departure_blame'"]),
+        (["--method", "grpo"], ["--method grpo", "credit_method: 'gear'"]),
         (["--model", "smollm2"], ["--model smollm2"]),
         (["--seed", "1"], ["--seed 1", "seed: 0"]),
         (["--task", "gsm8k"], ["--task gsm8k"]),
@@ -150,7 +150,7 @@ def test_resume_refuses_options_that_would_change_the_run_and_names_them(run_dir
 
 
 def test_resume_accepts_the_runs_own_values_and_the_changes_it_allows(run_dir, tiny_dir):
-    same = ["--model", str(tiny_dir), "--seed", "0", "--method", "gear_departure_blame", "--set", "beta=0.0"]
+    same = ["--model", str(tiny_dir), "--seed", "0", "--method", "gear", "--set", "beta=0.0"]
     result = runner.invoke(app, ["train", "--resume", str(run_dir), *same, "--dry-run"])
     assert result.exit_code == 0, result.output
     allowed = ["--steps", "9", "--set", "save_steps=3", "--set", "bf16=false", "--dry-run"]

@@ -30,7 +30,7 @@ def test_recipes_live_in_the_package_and_resolve_by_name():
         cfg = resolve_config(name)  # every value checked against its field's type
         assert cfg.trainer["bf16"] == "auto"
     with pytest.raises(
-        ValueError, match=r"not one of gear's recipes: \['default', 'paper', 'study'"
+        ValueError, match=r"not one of gear's recipes: \['default', 'departure', 'paper', 'study'"
     ):
         config_path("nope")
 
@@ -69,3 +69,21 @@ def test_the_wheel_contains_the_recipes_and_gear_testing(tmp_path):
     for recipe in recipe_names():
         assert f"gear/configs/{recipe}.yaml" in names
     assert "gear/testing.py" in names and "gear/precision.py" in names
+
+
+def test_a_recipe_extends_another_key_by_key(tmp_path):
+    default, departure = resolve_config("default"), resolve_config("departure")
+    assert default.trainer["credit_method"] == "gear"  # the paper's GEAR (issue 35)
+    assert departure.trainer["credit_method"] == "gear_departure_blame"
+    assert departure.trainer["kl_estimator"] == "k1"
+    # everything else is the default's, trainer keys included
+    assert departure.lora_r == default.lora_r and departure.eval_n == default.eval_n
+    assert departure.trainer["learning_rate"] == default.trainer["learning_rate"]
+    assert resolve_config("paper") == default
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\nseed: 3\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ValueError, match="circle"):
+        resolve_config(str(tmp_path / "a.yaml"))
+    (tmp_path / "b.yaml").write_text("extends: default\ntrainer: {max_steps: 2}\n")
+    mine = resolve_config(str(tmp_path / "a.yaml"))  # b.yaml found beside a.yaml
+    assert mine.seed == 3 and mine.trainer["max_steps"] == 2 and mine.lora_r == default.lora_r

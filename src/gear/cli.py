@@ -405,7 +405,7 @@ def gym(
 def compare(
     methods: Annotated[
         list[str], typer.Option(help="Credit methods to compare (repeat the option).")
-    ] = ["grpo", "gear_departure_blame"],  # noqa: B006
+    ] = ["grpo", "gear"],  # noqa: B006
     seeds: Annotated[list[int], typer.Option(help="Seeds (repeat the option).")] = [0, 1, 2],  # noqa: B006
     config: Annotated[
         str | None, typer.Option(help="Base config (a file, or a shipped recipe: study).")

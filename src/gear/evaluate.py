@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from gear.sampling import sample, text_seed
 from gear.tasks.base import Task
 

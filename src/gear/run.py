@@ -95,7 +95,8 @@ class RunConfig:
         Check(ge=0),
     )
     lora_r: int = _field(
-        0, "LoRA rank (PEFT, on every linear layer but the LM head); 0: full fine-tuning.",
+        0,
+        "LoRA rank (PEFT, on every linear layer but the LM head); 0: full fine-tuning.",
         Check(ge=0),
     )
     lora_alpha: float | None = _field(
@@ -318,7 +319,27 @@ def resolve_config(config: str | None = None, overrides: dict[str, Any] | None =
     of its field's type or outside its declared range (`gear.constraints`), is a ValueError
     naming the key, the value and what was expected.
     """
-    return resolve_values(load_mapping(config_path(config or "default")), overrides)
+    return resolve_values(load_recipe(config or "default"), overrides)
+
+
+def load_recipe(name_or_path: str, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's mapping of keys to values. A recipe may start from another one
+    (`extends: default`): its keys replace the other's, key by key, `trainer` keys included."""
+    path = config_path(name_or_path)
+    if path.resolve() in _seen:
+        raise ValueError(
+            f"{path}: `extends` goes round in a circle ({' -> '.join(map(str, _seen))})"
+        )
+    values = load_mapping(path)
+    parent = values.pop("extends", None)
+    if parent is None:
+        return values
+    if not isinstance(parent, str):
+        raise ValueError(f"{path}: `extends` names one recipe or file, got {parent!r}")
+    beside = path.parent / parent  # a file next to the recipe that names it comes first
+    base = load_recipe(str(beside) if beside.is_file() else parent, (*_seen, path.resolve()))
+    trainer = {**(base.get("trainer") or {}), **(values.get("trainer") or {})}
+    return {**base, **values, "trainer": trainer}
 
 
 def resolve_values(values: dict[str, Any], overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -526,9 +547,10 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     if summary.get("train_seconds") is not None:
         lines.append(f"- training wall time: {summary['train_seconds']:.0f} s")
     if before or after:
-        sampled = (before or after or {}).get("samples")
+        first = before or after or {}
+        sampled = "mean_reward" in first  # eval_samples > 0: the learning metric beside greedy
         head = "| held-out | greedy pass@1 |" + (
-            f" mean reward ({sampled} samples, T={(before or after)['sample_temperature']:g}) |"
+            f" mean reward ({first['samples']} samples, T={first['sample_temperature']:g}) |"
             if sampled
             else ""
         )
@@ -599,7 +621,11 @@ def eval_cache_key(cfg: RunConfig) -> str | None:
         "model": f"smollm2/{package}",
         "task": cfg.task,
         "task_options": cfg.task_options,
-        "eval": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("eval_")},
+        "eval": {
+            f.name: getattr(cfg, f.name)
+            for f in dataclasses.fields(cfg)
+            if f.name.startswith("eval_")
+        },
         "temperature": cfg.trainer.get("temperature", 1.0),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
@@ -621,8 +647,11 @@ def cached_eval_before(cfg: RunConfig, console: Any = None) -> dict[str, Any] | 
     path = _eval_cache_file(cfg)
     if path is None or not path.is_file():
         return None
-    _say(console, f"held-out scores before training: reused from {path} (same model, problems, "
-         "sampling and code)")
+    _say(
+        console,
+        f"held-out scores before training: reused from {path} (same model, problems, "
+        "sampling and code)",
+    )
     return json.loads(path.read_text()) | {"cached": True}
 
 

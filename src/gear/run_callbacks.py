@@ -376,7 +376,9 @@ def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, 
     k = getattr(cfg, "eval_samples", 0)
     if k:
         temperature = float(cfg.trainer.get("temperature", 1.0))
-        sampled = _evaluate_with_progress(model, tokenizer, task, cfg, console, label, k, temperature)
+        sampled = _evaluate_with_progress(
+            model, tokenizer, task, cfg, console, label, k, temperature
+        )
         out |= {
             "mean_reward": sampled.accuracy,
             "samples": k,
@@ -397,12 +399,20 @@ def _scores(result: Any) -> list[float]:
 
 
 def _evaluate_with_progress(
-    model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, label: str, samples: int,
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    cfg: Any,
+    console: Any,
+    label: str,
+    samples: int,
     temperature: float,
 ) -> Any:
     from gear.evaluate import evaluate
 
-    what = "greedy" if samples == 1 and temperature == 0 else f"{samples} samples at T={temperature:g}"
+    what = (
+        "greedy" if samples == 1 and temperature == 0 else f"{samples} samples at T={temperature:g}"
+    )
     bar: Any = None
     ctx: Any = contextlib.nullcontext()
     if console is not None and not console.is_terminal:  # no live bar in a log: say what runs

@@ -25,9 +25,7 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
     return {"mean": mean, "ci": [mean - half, mean + half], "sd": sd, "n": n}
 
 
-def paired(
-    a: Sequence[float], b: Sequence[float], level: float = 0.95
-) -> dict[str, Any]:
+def paired(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> dict[str, Any]:
     """`t_interval` of the differences a[i] - b[i] (pairs: same seed, or same problem)."""
     if len(a) != len(b):
         raise ValueError(f"paired: {len(a)} values against {len(b)}; pairs need equal lengths")
