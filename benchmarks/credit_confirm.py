@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from gear import evidence
+from gear.evidence import bonferroni
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 DOCS = HERE.parent / "docs"
@@ -306,7 +309,7 @@ CONTROLS = {
     "oracle_sharp": "oracle_sharp",  # the positive control (gate)
     "random": "random",  # the placebo arm: gear's segment count, random boundaries
 }
-LEVEL = 1 - 0.05 / 3  # Bonferroni over at most three candidates
+LEVEL = bonferroni(3)  # 1 - 0.05 / 3: Bonferroni over at most three candidates
 LM_MARGIN = 0.05  # SmolLM2 non-inferiority margin on placebo-corrected L, vs gear
 
 
@@ -321,10 +324,8 @@ def key(name: str) -> str:
 
 def paired(result: dict[str, Any], a: str, b: str, level: float = 0.95) -> dict[str, Any]:
     """a - b on final held-out expected accuracy, paired by seed (t-interval at `level`)."""
-    from gear.gym.report import t_interval
-
     pa, pb = result["arms"][key(a)]["per_seed"], result["arms"][key(b)]["per_seed"]
-    d = t_interval([x - y for x, y in zip(pa, pb, strict=True)], level)
+    d = evidence.paired(pa, pb, level)
     return {"mean": d["mean"], "ci": d["ci"], "n": d["n"], "sd": d["sd"],
             "wins": sum(x > y for x, y in zip(pa, pb, strict=True))}  # fmt: skip
 

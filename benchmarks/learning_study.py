@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from gear.evidence import n_for_power, power_at, t_interval
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = Path(__file__).with_suffix(".yaml")
 RESULTS = ROOT / "benchmarks" / "results" / "learning_study"
@@ -380,23 +382,13 @@ def bootstrap_mean(x: np.ndarray, rng: np.random.Generator, reps: int) -> tuple[
 def seed_t_test(per_seed: np.ndarray) -> dict[str, Any]:
     """Over seeds: the 95% Student-t interval of the mean paired difference, its SD, the power
     of a two-sided 5% paired t-test to detect an effect the size of the observed mean with this
-    many seeds, and the seeds that would give 80% power (noncentral t)."""
-    from scipy import stats
-
+    many seeds, and the seeds that would give 80% power (`gear.evidence`)."""
     n = len(per_seed)
     if n < 2 or per_seed.std(ddof=1) == 0:
         return {"t_ci95": None, "sd": None, "power": None, "seeds_for_80_power": None}
-    mean, sd = float(per_seed.mean()), float(per_seed.std(ddof=1))
-
-    def power(k: int) -> float:
-        crit = stats.t.ppf(0.975, k - 1)
-        nc = abs(mean) / (sd / np.sqrt(k))
-        return float(1 - stats.nct.cdf(crit, k - 1, nc) + stats.nct.cdf(-crit, k - 1, nc))
-
-    half = float(stats.t.ppf(0.975, n - 1) * sd / np.sqrt(n))
-    need = next((k for k in range(2, 1000) if power(k) >= 0.8), None)
-    return {"t_ci95": [mean - half, mean + half], "sd": sd, "power": power(n),
-            "seeds_for_80_power": need}  # fmt: skip
+    t = t_interval(per_seed.tolist())
+    return {"t_ci95": t["ci"], "sd": t["sd"], "power": power_at(abs(t["mean"]), t["sd"], n),
+            "seeds_for_80_power": n_for_power(t["mean"], t["sd"])}  # fmt: skip
 
 
 def aggregate(args: argparse.Namespace) -> dict[str, Any]:

@@ -40,6 +40,9 @@ from typing import Any
 
 import torch
 
+from gear.evidence import mde, n_for_power, power_at
+from gear.evidence import paired as paired_diff
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import localization as loc  # noqa: E402
@@ -448,8 +451,6 @@ def run(
     metrics; the power table and the readings at `cfg.read_at` on `primary`). With
     `workers` > 1 the warm start runs first, then the seeds' step-0 evaluations and the runs
     are spread over spawned processes (one thread each); the numbers do not depend on it."""
-    from gear.gym.report import t_interval
-
     if primary not in METRICS:
         raise ValueError(f"primary: expected one of {sorted(METRICS)}, got {primary!r}")
     if len(set(seeds)) != len(seeds):
@@ -479,7 +480,9 @@ def run(
             continue
         for step in sorted(set(cfg.read_at) - {cfg.steps}):
             at = {k: {c["step"]: c[primary] for c in v["curve"]} for k, v in results.items()}
-            t = t_interval([at[(arm, s)][step] - at[("grpo", s)][step] for s in seeds])
+            t = paired_diff(
+                [at[(arm, s)][step] for s in seeds], [at[("grpo", s)][step] for s in seeds]
+            )
             at_steps.setdefault(f"{arm}-grpo", {})[str(step)] = {
                 "mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}  # fmt: skip
     result = {
@@ -533,15 +536,14 @@ def paired_final(
 ) -> dict[str, Any]:  # fmt: skip
     """Each arm - grpo at the last step over `seeds`: 95% paired t per metric, and the issue's
     `{"mean", "ci"}` of the `primary` beside them. `final[(arm, seed)]` maps metric -> value."""
-    from gear.gym.report import t_interval
-
     paired: dict[str, Any] = {}
     for arm in arms:
         if arm == "grpo":
             continue
         out = paired[f"{arm}-grpo"] = {}
         for metric in ("logp", "prob", "pass1"):
-            t = t_interval([final[(arm, s)][metric] - final[("grpo", s)][metric] for s in seeds])
+            t = paired_diff([final[(arm, s)][metric] for s in seeds],
+                            [final[("grpo", s)][metric] for s in seeds])  # fmt: skip
             out[metric] = {"mean": t["mean"], "ci": t["ci"], "sd": t["sd"], "n": t["n"]}
         out.update(mean=out[primary]["mean"], ci=out[primary]["ci"])
     return paired
@@ -561,32 +563,10 @@ def status(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) 
     return "\n".join(lines)
 
 
-def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
-    """Power of a two-sided paired t test with n pairs for a true mean difference `effect`."""
-    from scipy import stats
-
-    df, ncp = n - 1, abs(effect) / (sd / math.sqrt(n))
-    crit = stats.t.ppf(1 - alpha / 2, df)
-    # scipy's nct.cdf returns NaN deep in the far tail (ncp >~ 9): that tail is 0 there
-    far = stats.nct.cdf(-crit, df, ncp)
-    return float(stats.nct.sf(crit, df, ncp) + (far if math.isfinite(far) else 0.0))
-
-
 def power(sd: float, n_needed_for: float, alpha: float = 0.05, target: float = 0.8) -> int:
-    """Seeds for `target` power to detect a paired mean of `n_needed_for` with SD `sd`."""
-    for n in range(3, 500):
-        if power_at(n_needed_for, sd, n, alpha) >= target:
-            return n
-    return 500
-
-
-def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
-    """The smallest paired mean difference detected with `target` power at n pairs."""
-    lo, hi = 0.0, 10 * sd + 1e-12
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if power_at(mid, sd, n, alpha) < target else (lo, mid)
-    return hi
+    """Seeds (3 to 500; 500 if none less) for `target` power to detect a paired mean of
+    `n_needed_for` with SD `sd` (`gear.evidence.n_for_power`)."""
+    return n_for_power(n_needed_for, sd, alpha, target, start=3, stop=500) or 500
 
 
 def power_table(
@@ -601,7 +581,7 @@ def power_table(
     if planned is not None:
         effect, sd = planned
         out["planned"] = {
-            "effect": effect, "sd": sd, "n": n, "power": power_at(effect, sd, n),
+            "effect": effect, "sd": sd, "n": n, "power": power_at(abs(effect), sd, n),
             "mde_80": mde(sd, n), "n_for_80": power(sd, effect),
         }  # fmt: skip
     for name, d in paired.items():
@@ -612,7 +592,7 @@ def power_table(
             "sd": m["sd"],
             "n": m["n"],
             "mde_80": mde(m["sd"], m["n"]),
-            "power_at_observed_mean": power_at(m["mean"], m["sd"], m["n"]),
+            "power_at_observed_mean": power_at(abs(m["mean"]), m["sd"], m["n"]),
             "n_for_80_at_observed_mean": power(m["sd"], m["mean"]) if m["mean"] else None,
         }
     return out

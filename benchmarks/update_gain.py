@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gear.evidence import t_interval
 from localization import Case, _batch, char_to_token_span, group_signals, render, token_offsets
 from onpolicy import check_rollout, sample_groups
 
@@ -363,16 +364,6 @@ def arm_gain(arm: str, batch: dict[str, Any]) -> float:
     return float((tok_adv * s)[valid].sum() / valid.sum())
 
 
-def t_interval(x: np.ndarray) -> list[float]:
-    """95% Student-t interval of the mean."""
-    from scipy import stats
-
-    if len(x) < 2:
-        return [math.nan, math.nan]
-    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return [float(x.mean() - half), float(x.mean() + half)]
-
-
 def bootstrap_interval(x: np.ndarray, reps: int = 4000, seed: int = 0) -> list[float]:
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, len(x), (reps, len(x)))].mean(1)
@@ -382,7 +373,7 @@ def bootstrap_interval(x: np.ndarray, reps: int = 4000, seed: int = 0) -> list[f
 def summary(x: np.ndarray) -> dict[str, Any]:
     return {
         "mean": float(x.mean()),
-        "ci": t_interval(x),
+        "ci": t_interval(x.tolist())["ci"],  # 95% Student-t interval of the mean
         "bootstrap_ci": bootstrap_interval(x),
         "sd": float(x.std(ddof=1)) if len(x) > 1 else math.nan,
         "positive_batches": int((x > 0).sum()),

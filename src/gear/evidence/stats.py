@@ -58,3 +58,22 @@ def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if power_at(mid, sd, n, alpha) < target else (lo, mid)
     return hi
+
+
+def n_for_power(
+    effect: float, sd: float, alpha: float = 0.05, target: float = 0.8, start: int = 2,
+    stop: int = 1000,
+) -> int | None:  # fmt: skip
+    """The fewest pairs n in [start, stop) whose two-sided paired t-test at `alpha` has power
+    `target` against a true mean difference of size |`effect`| (SD `sd`); None if none does."""
+    return next(
+        (n for n in range(start, stop) if power_at(abs(effect), sd, n, alpha) >= target), None
+    )
+
+
+def bonferroni(k: int, alpha: float = 0.05) -> float:
+    """The interval level that keeps the family-wise error of `k` comparisons at `alpha`
+    (Bonferroni: each interval at 1 - alpha / k)."""
+    if k < 1:
+        raise ValueError(f"bonferroni: k is the number of comparisons, at least 1, got {k}")
+    return 1 - alpha / k

@@ -2,9 +2,10 @@
 
 Statistics: every arm's final held-out accuracy per seed; the mean over seeds with a t-interval;
 paired differences between arms on the same seeds (same warm start, same prompts, same random
-numbers) with a t-interval from scipy; steps to a threshold. Localisation: on natural failures
-of the warm-started model, where each arm's largest weight lands relative to the checker's first
-wrong step, against a placebo (correct rollouts scored as failures, a random step called wrong).
+numbers) with a t-interval (`gear.evidence`); steps to a threshold. Localisation: on natural
+failures of the warm-started model, where each arm's largest weight lands relative to the
+checker's first wrong step, against a placebo (correct rollouts scored as failures, a random step
+called wrong).
 """
 
 from __future__ import annotations
@@ -15,25 +16,13 @@ from typing import Any
 
 import torch
 
+from gear.evidence import t_interval
 from gear.gym.model import completion_logits, sample
 from gear.gym.task import STEP_LEN, ChainTask
 from gear.gym.train import Arm, credit
 
 #: paired differences always reported when both arms ran: "a-b" = a minus b
 PAIRS = (("oracle", "grpo"), ("gear", "grpo"), ("gear", "random"), ("gear_k1", "gear"))
-
-
-def t_interval(values: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean, two-sided t-interval and SD of `values` (an interval needs two values or more)."""
-    from scipy import stats
-
-    n = len(values)
-    mean = sum(values) / n if n else math.nan
-    if n < 2:
-        return {"mean": mean, "ci": [math.nan, math.nan], "n": n, "sd": math.nan}
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "ci": [mean - half, mean + half], "n": n, "sd": sd}
 
 
 def _final(run: dict[str, Any], metric: str) -> float:
