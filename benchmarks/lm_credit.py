@@ -17,8 +17,8 @@ pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
   first wrong equation, as token indicator, to `gear_token` in place of the KL on failed rows:
   the negative weight lands on it; correct rows stay plain GRPO.
 - **Resumable:** each finished (arm, seed) run is a JSON under results/lm_credit_runs/ (kept in
-  the repository), keyed by everything that determines it; a rerun reads it back
-  (`reused_runs`). `--workers 2` spreads the runs over processes, one thread each.
+  the repository), keyed by everything that determines it (`gear.evidence.RunStore`); a rerun
+  reads it back (`reused_runs`). `--workers 2` spreads the runs over processes, one thread each.
 
     OMP_NUM_THREADS=1 python benchmarks/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
     python benchmarks/lm_credit.py --tiny ...   # a tiny random model (tests)
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import math
 import platform
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 
+from gear import evidence
 from gear.evidence import mde, n_for_power, power_at
 from gear.evidence import paired as paired_diff
 
@@ -343,25 +343,25 @@ RUN_CODE = ("LMConfig", "load", "arm_spec", "sft_loss", "warm_model", "task_rows
 @functools.cache
 def code_digest() -> str:
     """SHA-256 over `RUN_CODE`'s source and the modules a run imports from gear's benchmarks
-    and credit core. Computed once a process, so a running grid keeps its keys if the file is
-    edited under it."""
-    import inspect
-
-    h = hashlib.sha256()
-    for name in RUN_CODE:
-        h.update(inspect.getsource(globals()[name]).encode())
+    and credit core (`gear.evidence.code_digest`). Computed once a process, so a running grid
+    keeps its keys if the file is edited under it."""
     files = [HERE / "onpolicy.py", HERE / "localization.py"]
     files += sorted((HERE.parent / "src" / "gear" / "credit").glob("*.py"))
-    for f in files:
-        if f.is_file():
-            h.update(f.read_bytes())
-    return h.hexdigest()
+    return evidence.code_digest([globals()[name] for name in RUN_CODE], files)
+
+
+def run_params(arm: str, seed: int, cfg: LMConfig) -> dict[str, Any]:
+    """Everything but the code that determines one (arm, seed) run."""
+    return {"arm": arm, "seed": seed, "cfg": asdict(cfg), "torch": torch.__version__}
+
+
+def store(runs: Path) -> evidence.RunStore:
+    """The finished (arm, seed) runs kept in `runs` (`gear.evidence.RunStore`)."""
+    return evidence.RunStore(runs, code_digest())
 
 
 def run_key(arm: str, seed: int, cfg: LMConfig) -> str:
-    blob = {"arm": arm, "seed": seed, "cfg": asdict(cfg), "code": code_digest(),
-            "torch": torch.__version__}  # fmt: skip
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+    return evidence.run_key(run_params(arm, seed, cfg), code_digest())
 
 
 def base_eval(seed: int, cfg: LMConfig, runs: Path | None = None) -> dict[str, float]:
@@ -420,13 +420,11 @@ def _job(job: tuple[str, int, LMConfig, Path]) -> dict[str, Any]:
     """One (arm, seed) run, read back if it finished before (a worker process's unit)."""
     arm, seed, cfg, runs = job
     torch.set_num_threads(1)  # one core per worker; the workers fill the machine
-    path = runs / f"{run_key(arm, seed, cfg)}.json"
-    if path.is_file():
-        return {**json.loads(path.read_text()), "reused": True}
-    res = train_arm(arm, seed, cfg, runs=runs)
-    path.with_suffix(".tmp").write_text(json.dumps(res))
-    path.with_suffix(".tmp").replace(path)  # atomic: a killed run leaves no half-written result
-    return res
+    kept = store(runs).get(run_params(arm, seed, cfg))
+    if kept is not None:
+        return {**kept, "reused": True}
+    # atomic: a killed run leaves no half-written result
+    return store(runs).put(run_params(arm, seed, cfg), train_arm(arm, seed, cfg, runs=runs))
 
 
 def _base_job(job: tuple[int, LMConfig, Path]) -> dict[str, float]:
@@ -551,14 +549,13 @@ def paired_final(
 
 def status(arms: list[str], seeds: list[int], cfg: LMConfig, runs: Path = RUNS) -> str:
     """A seeds x arms table of kept runs ("x") and missing ones ("."); reads names, not numbers."""
+    kept = store(runs)
     lines = [f"{'seed':>6}  " + "  ".join(arms)]
-    done = 0
     for seed in seeds:
-        kept = [(runs / f"{run_key(arm, seed, cfg)}.json").is_file() for arm in arms]
-        done += sum(kept)
-        marks = ["x" if k else "." for k in kept]
+        marks = ["x" if kept.path(run_params(arm, seed, cfg)).is_file() else "." for arm in arms]
         cells = (f"{m:>{len(a)}}" for m, a in zip(marks, arms, strict=True))
         lines.append(f"{seed:>6}  " + "  ".join(cells))
+    done = kept.status(run_params(a, s, cfg) for s in seeds for a in arms)["kept"]
     lines.append(f"{done} of {len(arms) * len(seeds)} runs kept in {runs}")
     return "\n".join(lines)
 

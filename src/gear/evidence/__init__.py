@@ -1,17 +1,23 @@
-"""Evidence: the statistics gear's studies share (paired t-intervals, power, MDE, seeds needed,
-Bonferroni levels) and the learning gate every real-LM comparison checks first (does the
-baseline learn at all?)."""
+"""Evidence: what gear's studies share. The statistics (paired t-intervals, power, MDE, seeds
+needed, Bonferroni levels), the run store (finished runs kept under a key of the code that
+determines them; a stopped grid resumes) and the learning gate every real-LM comparison checks
+first (does the baseline learn at all?)."""
 
 from gear.evidence.gate import learning_gate, slope
 from gear.evidence.stats import bonferroni, mde, n_for_power, paired, power_at, t_interval
+from gear.evidence.store import RunStore, code_digest, run_key, write_json
 
 __all__ = [
+    "RunStore",
     "bonferroni",
+    "code_digest",
     "learning_gate",
     "mde",
     "n_for_power",
     "paired",
     "power_at",
+    "run_key",
     "slope",
     "t_interval",
+    "write_json",
 ]

@@ -14,7 +14,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 
 from gear.credit import METHODS
+from gear.evidence import code_digest, write_json
+from gear.evidence import run_key as evidence_run_key
 from gear.gym.model import (
     ModelConfig,
     WarmStart,
@@ -76,8 +77,8 @@ def run_key(arm: Arm, seed: int, rl: RLConfig, warm_digest: str) -> str:
     method_file = inspect.getsourcefile(METHODS[arm.method].fn)
     if method_file:
         files.append(Path(method_file))
-    code = _sha(*(f.read_bytes() for f in dict.fromkeys(files)))
-    blob = {
+    code = code_digest(files=dict.fromkeys(files))[:16]
+    params = {
         "warm": warm_digest,
         "method": arm.method,
         "estimator": arm.estimator,
@@ -86,9 +87,8 @@ def run_key(arm: Arm, seed: int, rl: RLConfig, warm_digest: str) -> str:
         "seed": seed,
         "rl": asdict(rl),
         "torch": torch.__version__,
-        "code": code,
     }
-    return _sha(json.dumps(blob, sort_keys=True).encode())
+    return evidence_run_key(params, code)
 
 
 def _job(args: tuple) -> dict[str, Any]:
@@ -99,9 +99,7 @@ def _job(args: tuple) -> dict[str, Any]:
     _threads()
     result = train_arm(parse_arm(spec, name), seed, task, model_cfg, state, rl)
     if path is not None:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(path)  # atomic: a killed worker leaves no half-written result
+        write_json(path, result)  # atomic: a killed worker leaves no half-written result
     return result
 
 
