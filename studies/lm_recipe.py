@@ -266,7 +266,7 @@ def print_table(result: dict) -> None:
         print(
             f"| {e['setting']} | {e['seed']} | {e['before']['mean_reward']:.3f} -> {e['after']['mean_reward']:.3f} "
             f"| {g['mean']:+.3f} [{g['ci'][0]:+.3f}, {g['ci'][1]:+.3f}] | {e['before']['greedy']:.3f} -> "
-            f"{e['after']['greedy']:.3f} | {e['reward_slope']:+.4f} | {e['seconds_per_step']} | {e['capability']} |"
+            f"{e['after']['greedy']:.3f} | {e['reward_slope']:+.4f} | {e['seconds_per_step']:.1f} | {e['capability']} |"
         )
     if "gate" in result:
         g = result["gate"]

@@ -15,6 +15,8 @@ from gear.tasks import get_task
 from gear.testing import byte_tokenizer, tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import trl as step_trl
+
 import step
 
 
@@ -23,14 +25,16 @@ def cpu_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
+@pytest.mark.parametrize("lora", [0, 4])
 def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
-    tmp_path, monkeypatch, cpu_only
+    tmp_path, monkeypatch, cpu_only, lora
 ):
+    """With --lora every arm (TRL's GRPO too) trains an adapter of that rank."""
     from gear.integrations.trl import trainer as gear_trainer
 
     args = argparse.Namespace(
         model="tiny", steps=2, completions=4, generations=2, completion_length=4, bf16=False,
-        seed=0, learning_rate=1e-2,
+        seed=0, learning_rate=1e-2, temperature=1.0, lora=lora,
     )  # fmt: skip
     tok = byte_tokenizer()
     model0 = tiny_model(tok)
@@ -42,6 +46,15 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
     def spy(self, *a, **kw):
         init(self, *a, **kw)
         built.append(self.args)
+
+    adapters: list = []  # every trainer's adapters: TRL's GRPOTrainer.__init__ runs for all arms
+    grpo_init = step_trl.GRPOTrainer.__init__
+
+    def grpo_spy(self, *a, **kw):
+        grpo_init(self, *a, **kw)
+        adapters.append(getattr(self.model, "peft_config", {}))
+
+    monkeypatch.setattr(step_trl.GRPOTrainer, "__init__", grpo_spy)
 
     monkeypatch.setattr(gear_trainer.GEARTrainer, "__init__", spy)
     rows = {m: step.run(m, model0, tok, data, args, str(tmp_path / m)) for m in step.METHODS}
@@ -55,3 +68,6 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
     assert [a.prefix_sharing for a in built] == [True, False]  # gear, gear_unshared
     assert all(a.credit_method == "gear" and a.credit_log_steps == 0 for a in built)
     assert all(a.save_strategy == "no" and a.learning_rate == 1e-2 for a in built)
+    assert len(adapters) == 3 and all(
+        [c.r for c in a.values()] == ([lora] if lora else []) for a in adapters
+    )

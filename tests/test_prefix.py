@@ -243,3 +243,21 @@ def test_prefix_sharing_in_the_trainer_gives_the_plain_signals(tmp_path, monkeyp
     torch.testing.assert_close(shared.kl[valid], unshared.kl[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(shared.entropy[valid], unshared.entropy[valid], atol=1e-5, rtol=0)
     assert unshared.kl[valid].mean() > 1e-3
+
+
+def test_prefix_shared_forward_runs_shared_under_a_peft_lora_adapter(llama, recwarn):
+    """gear train's default trains a LoRA adapter: the teacher pass through the PEFT wrapper
+    shares each prompt too (no fallback warning) and equals the plain forward."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(llama), config)  # random B: the adapter acts
+    ids, mask, _, T = batch(llama.config.vocab_size)
+    with torch.no_grad():
+        want = plain_hidden(model, ids, mask, T)
+        got = prefix_shared_hidden(model, ids, mask, T)
+        base = plain_hidden(llama, ids, mask, T)
+    assert not [w for w in recwarn if "shared-prefix forward" in str(w.message)]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (want - base).abs().max() > 1e-3  # the adapter changed the states
