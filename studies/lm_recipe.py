@@ -13,7 +13,7 @@ Stages (the rule is written in docs/evidence/lm_recipe.md before any of their ru
 - `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
 
     python studies/lm_recipe.py sweep --workers 2
-    python studies/lm_recipe.py gate --setting lora16_lr5e-4 --workers 2
+    python studies/lm_recipe.py gate --setting chosen --workers 2   # the rule's choice
     python studies/lm_recipe.py main --workers 2
     python studies/lm_recipe.py report --setting lora16_lr5e-4
 """
@@ -201,10 +201,25 @@ def sweep_entry(r: dict) -> dict:
     }
 
 
+def choose(sweep: list[dict]) -> str:
+    """The rule's choice (docs/evidence/lm_recipe.md): the largest primary gain; of gains within
+    0.01 of the largest, the one with the fewest seconds per step. Needs every setting's run."""
+    missing = sorted(set(SETTINGS) - {e["setting"] for e in sweep})
+    if missing:
+        raise ValueError(f"the sweep has no run yet for {missing}: the rule chooses among all")
+    gain = {e["setting"]: e["after"]["mean_reward"] - e["before"]["mean_reward"] for e in sweep}
+    best = max(gain.values())
+    near = [e for e in sweep if gain[e["setting"]] >= best - 0.01]
+    return min(near, key=lambda e: e["seconds_per_step"])["setting"]
+
+
 def report(setting: str | None, out: Path) -> dict:
     from gear.evidence import learning_gate, paired
 
     result: dict[str, Any] = {"sweep": [sweep_entry(r) for r in records("sweep")]}
+    if {e["setting"] for e in result["sweep"]} >= set(SETTINGS):
+        result["chosen"] = choose(result["sweep"])
+        setting = setting or result["chosen"]
     gate_runs = records("gate", setting) if setting else []
     if gate_runs:
         per_problem = [
@@ -291,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage == "sweep":
         run_all([("sweep", s, "grpo", SWEEP_SEED) for s in a.settings], a.workers)
     elif a.stage == "gate":
+        if a.setting == "chosen":  # the rule's choice from the kept sweep
+            a.setting = choose([sweep_entry(r) for r in records("sweep")])
+            print(f"the rule chooses {a.setting}", flush=True)
         if a.setting not in SETTINGS:
-            ap.error(f"--setting: one of {list(SETTINGS)}")
+            ap.error(f"--setting: 'chosen' or one of {list(SETTINGS)}")
         run_all([("gate", a.setting, "grpo", s) for s in a.seeds or GATE_SEEDS], a.workers)
     elif a.stage == "main":
         run_all([("main", "default", "default", s) for s in a.seeds or MAIN_SEEDS], a.workers)
