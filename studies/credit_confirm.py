@@ -1,19 +1,19 @@
 """Issue 27: where GEAR's blame lands relative to the first error, and the pre-registered
 confirmation of the first-departure variants (BENCHMARKS.md, "First departure").
 
-    python benchmarks/credit_confirm.py diagnose          # seconds once caches exist
-    python benchmarks/credit_confirm.py confirm --workers 2
+    python studies/credit_confirm.py diagnose          # seconds once caches exist
+    python studies/credit_confirm.py confirm --workers 2
 
 `diagnose` reads natural failures of the gym's warm-started model (chain lengths 4 and 3; the
 same rollouts as the gym's localisation readout) and of SmolLM2-135M (the on-policy cache of
 `benchmarks/localization.py natural`), and says, per KL estimator, where the KL mass, the
 onsets and the extra blame of `gear`, `gear_departure` and `gear_departure_point` fall
 relative to the first wrong step: before it, on it, after it. Writes
-results/credit_diagnosis.json and docs/credit_diagnosis.png.
+benchmarks/results/credit_diagnosis.json and docs/credit_diagnosis.png.
 
 `confirm` runs the pre-registered gym grid (`ARMS` x `SEEDS` at each of `LENGTHS`; every
 finished (arm, seed) run is kept by `gear.gym`, so a stopped grid resumes), the SmolLM2
-localisation with its placebo, applies the rule and writes results/credit_confirm.json.
+localisation with its placebo, applies the rule and writes benchmarks/results/credit_confirm.json.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from gear import evidence
 from gear.evidence import bonferroni
 
 HERE = Path(__file__).parent
-RESULTS = HERE / "results"
+BENCH = HERE.parent / "benchmarks"  # localization.py stays there (see lm_credit.py)
+RESULTS = BENCH / "results"  # where BENCHMARKS.md and the README cite the results
 DOCS = HERE.parent / "docs"
 CACHE = HERE.parent / "runs" / "localization"
 METHODS = ("gear", "gear_departure", "gear_departure_point")
@@ -147,7 +148,7 @@ def _bands(rel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _loc() -> Any:
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(BENCH))
     import localization
 
     return localization

@@ -1,9 +1,9 @@
 """The credit gym (issue 20): every arm x seed on the chain task, paired statistics, JSON, plots.
 
-    python benchmarks/gym.py --quick                 # smoke test, a few minutes
-    python benchmarks/gym.py --workers 2             # the default grid: 10 arms x 20 seeds
-    python benchmarks/gym.py --methods grpo --methods mymod:my_method --seeds 10
-    python benchmarks/gym.py --sweep 0.05 0.1 0.2 0.4
+    python studies/gym.py --quick                 # smoke test, a few minutes
+    python studies/gym.py --workers 2             # the default grid: 10 arms x 20 seeds
+    python studies/gym.py --methods grpo --methods mymod:my_method --seeds 10
+    python studies/gym.py --sweep 0.05 0.1 0.2 0.4
 
 Writes benchmarks/results/gym.json (or --out) and plots under benchmarks/results/gym/.
 See docs/gym.md.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gear.gym import run, table
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"  # where docs cite them
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,12 +16,13 @@ pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
 - **Positive control:** `oracle` (and `oracle_sharp`) feed the stated result of the checker's
   first wrong equation, as token indicator, to `gear_token` in place of the KL on failed rows:
   the negative weight lands on it; correct rows stay plain GRPO.
-- **Resumable:** each finished (arm, seed) run is a JSON under results/lm_credit_runs/ (kept in
-  the repository), keyed by everything that determines it (`gear.evidence.RunStore`); a rerun
-  reads it back (`reused_runs`). `--workers 2` spreads the runs over processes, one thread each.
+- **Resumable:** each finished (arm, seed) run is a JSON under benchmarks/results/lm_credit_runs/
+  (kept in the repository), keyed by everything that determines it (`gear.evidence.RunStore`); a
+  rerun reads it back (`reused_runs`). `--workers 2` spreads the runs over processes, one thread
+  each.
 
-    OMP_NUM_THREADS=1 python benchmarks/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
-    python benchmarks/lm_credit.py --tiny ...   # a tiny random model (tests)
+    OMP_NUM_THREADS=1 python studies/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
+    python studies/lm_credit.py --tiny ...   # a tiny random model (tests)
 """
 
 from __future__ import annotations
@@ -44,11 +45,15 @@ from gear.evidence import mde, n_for_power, power_at
 from gear.evidence import paired as paired_diff
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+#: localization.py and onpolicy.py stay in benchmarks/: their bytes are part of every kept run's
+#: key (`code_digest`), and localization.py names its own results folder beside itself
+BENCH = HERE.parent / "benchmarks"
+sys.path[:0] = [str(HERE), str(BENCH)]
 import localization as loc  # noqa: E402
 import onpolicy  # noqa: E402
 
-RESULTS = HERE / "results"
+#: the results stay where BENCHMARKS.md and the README cite them
+RESULTS = BENCH / "results"
 #: finished runs are kept in the repository (a few kB each) so that the grid resumes across
 #: sessions and machines; the warm start's weights (*.pt, git-ignored) are recomputed when absent
 RUNS = RESULTS / "lm_credit_runs"
@@ -345,7 +350,7 @@ def code_digest() -> str:
     """SHA-256 over `RUN_CODE`'s source and the modules a run imports from gear's benchmarks
     and credit core (`gear.evidence.code_digest`). Computed once a process, so a running grid
     keeps its keys if the file is edited under it."""
-    files = [HERE / "onpolicy.py", HERE / "localization.py"]
+    files = [BENCH / "onpolicy.py", BENCH / "localization.py"]
     files += sorted((HERE.parent / "src" / "gear" / "credit").glob("*.py"))
     return evidence.code_digest([globals()[name] for name in RUN_CODE], files)
 

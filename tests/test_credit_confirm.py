@@ -1,4 +1,4 @@
-"""The pre-registered decision rule of issue 27 (`benchmarks/credit_confirm.py`), on synthetic
+"""The pre-registered decision rule of issue 27 (`studies/credit_confirm.py`), on synthetic
 results: each condition of the rule can fail a candidate on its own."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
 import credit_confirm as cc
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/learning_study.py: the aggregation (bootstrap, paired differences) on synthetic runs.
+"""studies/archive/learning_study.py: the aggregation (bootstrap, paired differences) on synthetic runs.
 Training itself is exercised by the study; these tests need no model (one builds the config of a
 run through `gear train`'s recipe)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies" / "archive"))
 import learning_study as ls
 
 

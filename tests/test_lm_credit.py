@@ -1,6 +1,6 @@
 """The real-LM credit benchmark (issue 28), tiny: pairing, the oracle's weights, an update, resume.
 
-Runs `benchmarks/lm_credit.py` on a tiny random model (no download) for one or two steps."""
+Runs `studies/lm_credit.py` on a tiny random model (no download) for one or two steps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
 import lm_credit as lc
 
 TINY = lc.LMConfig(

@@ -1,4 +1,4 @@
-"""benchmarks/update_gain.py: the per-token influence is the exact directional derivative, the
+"""studies/archive/update_gain.py: the per-token influence is the exact directional derivative, the
 shared-prompt version equals the plain one, an arm's gain equals grad J . g_arm computed by
 autograd, and the decision rule applies its gates. Tiny random models, no download."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies" / "archive"))
 import update_gain as ug
 from gear.testing import byte_tokenizer, tiny_model
 

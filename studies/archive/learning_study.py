@@ -1,11 +1,11 @@
 """The learning study of issue 13 §2 (its power is reported, see BENCHMARKS.md): GEAR vs GRPO, several seeds, 300+ held-out problems.
 
 ```
-python benchmarks/learning_study.py run          # train what is missing (resumable), then aggregate
-python benchmarks/learning_study.py aggregate    # JSON + table + figure from the finished runs
+python studies/archive/learning_study.py run          # train what is missing (resumable), then aggregate
+python studies/archive/learning_study.py aggregate    # JSON + table + figure from the finished runs
 ```
 
-Every run trains SmolLM2-135M-Instruct with `benchmarks/learning_study.yaml`, through `gear
+Every run trains SmolLM2-135M-Instruct with `studies/archive/learning_study.yaml`, through `gear
 train`'s recipe (`gear.run`: the same GEARConfig, model, data and trainer); only the credit
 method and the seed differ. Runs of one seed see the same prompts in the same order and start from
 the same (pretrained) weights. All runs are scored on one fixed held-out set (test split, seed 0),
@@ -13,7 +13,7 @@ greedy pass@1, keeping each problem's correctness, so differences can be bootstr
 *and* problems. The before-training evaluation is the same for every run and computed once.
 
 Resumability is per finished run: a finished run writes
-`benchmarks/results/learning_study/<method>-seed<k>.json` (evaluations with per-problem
+`studies/archive/results/learning_study/<method>-seed<k>.json` (evaluations with per-problem
 correctness, per-step metrics, timings), which is small enough to commit; `run` skips every run
 that has one. A run interrupted inside one machine session continues from its last complete
 checkpoint under `--work` (gitignored: checkpoints are ~1.6 GB); a run interrupted by a fresh
@@ -42,11 +42,11 @@ import yaml
 
 from gear.evidence import n_for_power, power_at, t_interval
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).with_suffix(".yaml")
-RESULTS = ROOT / "benchmarks" / "results" / "learning_study"
-AGGREGATE = ROOT / "benchmarks" / "results" / "learning_study.json"
-TABLE = ROOT / "benchmarks" / "results" / "learning_study.md"
+RESULTS = ROOT / "studies" / "archive" / "results" / "learning_study"
+AGGREGATE = ROOT / "studies" / "archive" / "results" / "learning_study.json"
+TABLE = ROOT / "studies" / "archive" / "results" / "learning_study.md"
 FIGURE = ROOT / "docs" / "learning_study.png"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 MARK_BEGIN = "<!-- learning_study:begin (written by benchmarks/learning_study.py aggregate) -->"

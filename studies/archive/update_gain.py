@@ -24,9 +24,9 @@ positive control: the batch prompts' reference solutions, teacher-forced; must g
 
 Stages (resumable: one file per batch under `--cache`, skipped when present):
 
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/update_gain.py collect --batches 100
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/update_gain.py collect --reverse  # 2nd core
-    .venv/bin/python benchmarks/update_gain.py metrics     # -> benchmarks/results/update_gain.json
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/archive/update_gain.py collect --batches 100
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/archive/update_gain.py collect --reverse  # 2nd core
+    .venv/bin/python studies/archive/update_gain.py metrics  # -> studies/archive/results/update_gain.json
 """
 
 from __future__ import annotations
@@ -45,12 +45,22 @@ import torch
 from torch import Tensor
 
 from gear.evidence import t_interval
-from localization import Case, _batch, char_to_token_span, group_signals, render, token_offsets
-from onpolicy import check_rollout, sample_groups
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # localization.py and onpolicy.py live there
+from localization import (  # noqa: E402
+    Case,
+    _batch,
+    char_to_token_span,
+    group_signals,
+    render,
+    token_offsets,
+)
+from onpolicy import check_rollout, sample_groups  # noqa: E402
+
 RESULTS = HERE / "results"
-CACHE = HERE.parent / "runs" / "update_gain" / "default"
+CACHE = ROOT / "runs" / "update_gain" / "default"
 ARMS = (
     "grpo", "gear", "gear_k1", "gear_k3", "gear_token", "rlsd", "random", "fixed", "oracle",
     "shuffled", "sft",
@@ -419,7 +429,7 @@ def run_metrics(args: argparse.Namespace) -> None:
     batches = [torch.load(f, weights_only=False) for f in files]
     gains = {a: np.array([arm_gain(a, b) for b in batches]) for a in ARMS}
     meta = json.loads((cache / "meta.json").read_text())
-    loc_path = RESULTS / "localization.json"
+    loc_path = ROOT / "benchmarks" / "results" / "localization.json"
     loc = json.loads(loc_path.read_text()).get("natural") if loc_path.is_file() else None
     res: dict[str, Any] = {
         "batches": len(batches),
