@@ -20,7 +20,7 @@ package (`gear/configs/*.yaml`: `default`, `study`) give whole setups; command-l
 declared constraint (`gear.constraints`) before anything is loaded or written.
 
 A trainer is made by `trainer_args` (the GEARConfig), `load_model_and_data` and
-`build_trainer`; benchmarks/learning_study.py and benchmarks/step.py make theirs with the same
+`build_trainer`; studies/lm_recipe.py and benchmarks/step.py make theirs with the same
 three, so a run there trains exactly as `gear train` would with that config.
 
 Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during training finish
