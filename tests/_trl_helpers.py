@@ -64,6 +64,7 @@ def make_trainer(
         "environment_factory",
         "teacher_model",
         "teacher_processing_class",
+        "wrong_answer",
         "eval_dataset",
         "peft_config",
     )

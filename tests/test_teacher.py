@@ -3,16 +3,25 @@ and a batch's teacher prompts, with a character-level stand-in tokenizer (no mod
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from gear.tasks import get_task
 from gear.teacher import (
+    ANSWER_HINT_TEMPLATE,
     ELLIPSIS,
     HINT_TEMPLATES,
+    TEACHER_CONTEXTS,
     build_teacher_prompts,
+    check_wrong_answers,
+    context_hint_template,
     fit_teacher_prompt,
     ground_truth_text,
     hint_template,
+    offset_answer,
     teacher_prompt,
+    wrong_answers,
 )
 
 
@@ -131,3 +140,50 @@ def test_a_batch_without_ground_truth_rows_keeps_the_students_prompt_and_counts_
         build_teacher_prompts(
             ["a"], ["x"], lambda i, p: render(p), "M {ground_truth}", max_tokens=5
         )
+
+
+# ----------------------------------------------------------------------------- teacher contexts
+
+
+def test_each_context_picks_its_template_and_the_answer_contexts_share_one():
+    for kind, tools in (("auto", False), ("auto", True), ("math", True)):
+        assert context_hint_template("worked_solution", kind, tools) == hint_template(kind, tools)
+        assert context_hint_template("answer_only", kind, tools) == ANSWER_HINT_TEMPLATE
+        assert context_hint_template("contrast", kind, tools) == ANSWER_HINT_TEMPLATE
+    assert context_hint_template("answer_only", "auto", False, answer_template="A: {ground_truth}")
+    with pytest.raises(ValueError, match=r"teacher_context: expected one of"):
+        context_hint_template("hints", "auto", False)
+    assert TEACHER_CONTEXTS[0] == "worked_solution"  # the default: the paper's teacher
+
+
+@pytest.mark.parametrize("answer", ["19", "-4", "0", "2.50", "1,000", " 7 "])
+def test_a_numeric_answer_gets_a_near_miss_of_the_same_form(answer):
+    rng = random.Random(0)
+    for _ in range(20):
+        wrong = offset_answer(answer, rng)
+        right = float(answer.replace(",", ""))
+        assert wrong is not None and 0 < abs(float(wrong) - right) <= 3
+        assert ("." in wrong) == ("." in answer)
+        if "." in answer:
+            assert len(wrong.split(".")[1]) == len(answer.split(".")[1])
+
+
+def test_other_answers_come_from_the_pool_and_no_wrong_answer_is_an_error_naming_the_setting():
+    rng = random.Random(0)
+    assert offset_answer("seven", rng) is None
+    got = wrong_answers(["seven", None, "12"], rng, pool=["seven", "eight"])
+    assert got[0] == "eight" and got[1] is None and got[2] != "12"
+    assert check_wrong_answers(["a", "b", "a"]) == ["a", "b"]
+    with pytest.raises(
+        ValueError, match=r"teacher_context='contrast': no wrong answer for answer 'a'"
+    ):
+        check_wrong_answers(["a", "a"])
+    with pytest.raises(ValueError, match=r"teacher_context='contrast'.*right answer"):
+        wrong_answers(["3"], rng, lambda answer, rng: answer)
+
+
+def test_a_task_offers_a_wrong_answer_hook():
+    task = get_task("arithmetic")
+    row = task.dataset("train", n=1)[0]
+    wrong = task.wrong_answer(row["answer"], random.Random(0))
+    assert wrong is not None and not task.is_correct(f"Answer: {wrong}", row["answer"])

@@ -8,7 +8,7 @@ import pytest
 
 from _trl_helpers import fast_config
 from gear.credit import CreditParams
-from gear.credit.params import GYM_ONLY_FIELDS
+from gear.credit.params import CONTEXT_FIELDS
 from gear.integrations.trl import GEARConfig
 from gear.teacher import HINT_TEMPLATES
 
@@ -17,7 +17,7 @@ def test_every_credit_param_is_a_config_field_with_the_same_default(tmp_path):
     config = GEARConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     names = {f.name for f in dataclasses.fields(GEARConfig)}
     for f in dataclasses.fields(CreditParams):
-        if f.name in GYM_ONLY_FIELDS:  # the contrast teacher pass is not wired into TRL
+        if f.name in CONTEXT_FIELDS:  # set by teacher_context='contrast'
             assert f"credit_{f.name}" not in names
             continue
         assert f"credit_{f.name}" in names

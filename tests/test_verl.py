@@ -12,6 +12,7 @@ full-logits oracle: tests/test_verl_worker.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -335,6 +336,48 @@ def test_teacher_prompts():
     with pytest.raises(MissingGroundTruthError, match=r"'reward_model\.ground_truth'"):
         build_teacher_prompts(
             [{"raw_prompt": rows[0]["raw_prompt"]}], student[:1], cfg, fake_render
+        )
+
+
+def test_answer_only_teacher_prompts_show_the_answer_field_and_not_the_solution(tmp_path):
+    cfg = GearVerlConfig(
+        ground_truth_field="extra_info.ground_truth", teacher_context="answer_only"
+    )
+    row = {
+        "raw_prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"ground_truth": "4"},
+        "extra_info": {"ground_truth": "2 + 2 = 4. The answer is 4."},
+    }
+    out = build_teacher_prompts([row], [fake_render(row["raw_prompt"], None)], cfg, fake_render)
+    expected = [{"role": "user", "content": "2+2?\n\nThe final answer is 4."}]
+    assert out.ids[0] == fake_render(expected, None)  # tools or not: the answer template
+    worked = dataclasses.replace(cfg, teacher_context="worked_solution")
+    solution = build_teacher_prompts([row], [[]], worked, fake_render).ids[0]
+    assert solution != out.ids[0] and solution == fake_render(
+        [
+            {
+                "role": "user",
+                "content": "2+2?\n\n"
+                + worked.math_hint_template.replace(
+                    "{ground_truth}", "2 + 2 = 4. The answer is 4."
+                ),
+            }
+        ],
+        None,
+    )
+    # a row without the answer field, at run time and (local parquet) before anything starts
+    with pytest.raises(MissingGroundTruthError, match=r"gear\.answer_field='reward_model\.answer'"):
+        build_teacher_prompts(
+            [row], [[]], dataclasses.replace(cfg, answer_field="reward_model.answer"), fake_render
+        )
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "q", "reward_model": {"style": "r"}}]), path)
+    with pytest.raises(GearConfigError, match=r"gear\.answer_field=.*no field 'ground_truth'"):
+        validate_verl_config(
+            verl_cfg(**{"data.train_files": str(path), "gear.teacher_context": "answer_only"})
         )
 
 

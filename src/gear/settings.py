@@ -19,7 +19,14 @@ from typing import Any
 
 from gear.constraints import Check, checked
 from gear.credit.signals import DEFAULT_CHUNK, ESTIMATORS
-from gear.teacher import HINT_KINDS, HINT_TEMPLATE, HINT_TEMPLATES, TEACHERS
+from gear.teacher import (
+    ANSWER_HINT_TEMPLATE,
+    HINT_KINDS,
+    HINT_TEMPLATE,
+    HINT_TEMPLATES,
+    TEACHER_CONTEXTS,
+    TEACHERS,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,21 @@ class GEARSettings:
         "`teacher_model`); 'ema': an exponential moving average of the policy, updated after "
         "each optimizer step.",
         Check(choices=TEACHERS),
+    )
+    teacher_context: str = checked(
+        "worked_solution",
+        "What the teacher is shown (docs/spec.md, 'Teacher contexts'): 'worked_solution': the "
+        "ground truth in the hint kind's template; 'answer_only': only the final answer, in "
+        "answer_hint_template; 'contrast': the answer-only teacher's KL minus the KL to a "
+        "teacher shown a wrong answer in the same template, clamped at 0 (after RLCSD, arXiv "
+        "2606.11709; one more teacher pass; needs a credit method that reads the KL).",
+        Check(choices=TEACHER_CONTEXTS),
+    )
+    answer_hint_template: str = checked(
+        ANSWER_HINT_TEMPLATE,
+        "Teacher hint of the 'answer_only' and 'contrast' contexts; holds {ground_truth}, "
+        "filled with the final answer (or, for the contrast teacher, a wrong one).",
+        HINT_TEMPLATE,
     )
     hint_kind: str = checked(
         "auto",

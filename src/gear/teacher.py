@@ -12,14 +12,23 @@ chat template and tool schemas as the student's prompt:
 - a prompt over the token budget loses the middle of its ground truth, not its own text.
 
 `hint_template` chooses the template of a hint kind; `build_teacher_prompts` builds a batch.
+
+Teacher contexts (`TEACHER_CONTEXTS`, the setting `teacher_context`) say what fills the hint:
+`worked_solution` (default) the ground truth (a reference solution, or tool calls) in the hint
+kind's template; `answer_only` the final answer alone, in `ANSWER_HINT_TEMPLATE`; `contrast` the
+answer-only teacher plus a second teacher shown a *wrong* answer in the same template
+(`wrong_answers`), whose KL the credit subtracts (RLCSD, arXiv 2606.11709).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from gear.constraints import Check
@@ -32,9 +41,13 @@ HINT_TEMPLATES = {
     ),
     "tool": "Reference tool calls: {ground_truth}",
 }
+ANSWER_HINT_TEMPLATE = "The final answer is {ground_truth}."
 HINT_KINDS = ("auto", "math", "tool")  # auto: "tool" when the rollout shows tools, else "math"
 TEACHERS = ("current", "frozen", "ema")
 TEXT_HINT_POSITIONS = ("before", "after")
+#: what the teacher is shown: a worked solution (the ground truth), the final answer only, or the
+#: final answer contrasted with a wrong one (docs/spec.md, "Teacher contexts")
+TEACHER_CONTEXTS = ("worked_solution", "answer_only", "contrast")
 #: what a hint template is; checked by every config (gear.settings) and by `hint_text`
 HINT_TEMPLATE = Check(
     test=lambda t: isinstance(t, str) and PLACEHOLDER in t,
@@ -62,6 +75,104 @@ def hint_template(
     if kind == "tool":
         return tool_template if tool_template is not None else HINT_TEMPLATES["tool"]
     return math_template if math_template is not None else HINT_TEMPLATES["math"]
+
+
+def uses_answer(context: str) -> bool:
+    """Whether teacher context `context` fills the hint with the final answer (the answer
+    column / field) instead of the ground truth (a worked solution)."""
+    if context not in TEACHER_CONTEXTS:
+        raise ValueError(
+            f"teacher_context: expected one of {list(TEACHER_CONTEXTS)}, got {context!r}"
+        )
+    return context != "worked_solution"
+
+
+def context_hint_template(
+    context: str,
+    kind: str,
+    uses_tools: bool,
+    math_template: str | None = None,
+    tool_template: str | None = None,
+    answer_template: str | None = None,
+) -> str:
+    """The hint template of a row under teacher context `context`: the hint kind's template
+    (`hint_template`) for `worked_solution`, else the answer template (default
+    `ANSWER_HINT_TEMPLATE`), which the contrast teacher shares with the right-answer one."""
+    if uses_answer(context):
+        return answer_template if answer_template is not None else ANSWER_HINT_TEMPLATE
+    return hint_template(kind, uses_tools, math_template, tool_template)
+
+
+_NUMBER = re.compile(r"\s*(-?)(\d+)(?:\.(\d+))?\s*")
+#: offsets of `offset_answer`: nonzero, small, either sign
+ANSWER_OFFSETS = (-3, -2, -1, 1, 2, 3)
+
+
+def offset_answer(answer: str, rng: random.Random) -> str | None:
+    """A wrong answer for a numeric `answer` ("19", "-4", "2.50", "1,000"): the number plus a
+    nonzero offset drawn from `ANSWER_OFFSETS` (exact: decimal arithmetic, the answer's
+    decimals kept); None when
+    `answer` is not a plain number (the default `Task.wrong_answer`)."""
+    match = _NUMBER.fullmatch(str(answer).replace(",", ""))
+    if match is None:
+        return None
+    return str(Decimal(match.group(0).strip()) + rng.choice(ANSWER_OFFSETS))
+
+
+WrongAnswer = Callable[[str, random.Random], str | None]
+
+
+def wrong_answers(
+    answers: Sequence[Any],
+    rng: random.Random,
+    wrong_answer: WrongAnswer = offset_answer,
+    pool: Sequence[str] = (),
+) -> list[str | None]:
+    """The contrast teacher's answer of each row: `wrong_answer(answer, rng)` (a task's hook,
+    default `offset_answer`), else, where that gives None, another answer drawn from `pool`
+    (the dataset's answers) and the batch's own. A row without an answer (None or blank) gets
+    None: no hint, like its right-answer teacher.
+
+    Raises:
+        ValueError: naming `teacher_context`, when a row gets no wrong answer (the hook gave
+            None and no other answer exists) or the hook returned the right answer.
+    """
+    texts = [ground_truth_text(a) for a in answers]
+    others = sorted({*map(str, pool), *(t for t in texts if t is not None)})
+    out: list[str | None] = []
+    for text in texts:
+        if text is None:
+            out.append(None)
+            continue
+        wrong = wrong_answer(text, rng)
+        if wrong is None:
+            candidates = [o for o in others if o.strip() != text.strip()]
+            if not candidates:
+                raise ValueError(
+                    f"teacher_context='contrast': no wrong answer for answer {text!r}: the "
+                    "wrong-answer hook gave None (not a number) and the dataset and batch hold no "
+                    "other answer; give a `wrong_answer(answer, rng)` hook (the task's "
+                    "`Task.wrong_answer`) or use teacher_context='answer_only'"
+                )
+            wrong = rng.choice(candidates)
+        if str(wrong).strip() == text.strip():
+            raise ValueError(
+                f"teacher_context='contrast': the wrong-answer hook returned the right answer "
+                f"{text!r}; it must return a different one"
+            )
+        out.append(str(wrong))
+    return out
+
+
+def check_wrong_answers(
+    answers: Sequence[Any], wrong_answer: WrongAnswer = offset_answer, seed: int = 0
+) -> list[str]:
+    """Start-up check of `teacher_context='contrast'`: every answer in `answers` (a dataset's)
+    gets a wrong one (`wrong_answers` with the others as the pool). Returns the distinct
+    answers, the pool of later batches. Raises the `ValueError` of `wrong_answers`."""
+    pool = sorted({t for t in map(ground_truth_text, answers) if t is not None})
+    wrong_answers(pool, random.Random(seed), wrong_answer, pool)
+    return pool
 
 
 def ground_truth_text(value: Any) -> str | None:

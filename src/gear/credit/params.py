@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MODULATIONS = ("linear", "exp")
-#: fields the trainers (TRL, verl) do not take: the contrast teacher's second pass is run only
-#: by the credit gym so far, so a trainer config cannot ask for it
-GYM_ONLY_FIELDS = ("contrast",)
+#: fields the trainers (TRL, verl) do not take as credit fields: `contrast` needs a second
+#: teacher pass, which their `teacher_context` setting ('contrast') turns on with it
+CONTEXT_FIELDS = ("contrast",)
 
 
 @dataclass(frozen=True)

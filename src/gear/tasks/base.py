@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 from datasets import Dataset, Features, List, Value
+
+from gear.teacher import offset_answer
 
 SPLITS = ("train", "test")
 
@@ -58,6 +61,16 @@ class Task:
             float(self.is_correct(self.completion_text(c), a))
             for c, a in zip(completions, answers, strict=True)
         ]
+
+    def wrong_answer(self, answer: str, rng: random.Random) -> str | None:
+        """A wrong final answer for ``answer``, shown to the contrast teacher
+        (``teacher_context="contrast"``, docs/spec.md "Teacher contexts"); ``rng`` draws it.
+
+        Default (`gear.teacher.offset_answer`): a number plus a nonzero offset in -3..3; None for
+        anything else, and the trainer then shows another answer of the dataset (or of the
+        batch), failing at start-up when there is none. Override it where a near miss of another
+        form is the natural wrong answer; it must never return ``answer`` itself."""
+        return offset_answer(answer, rng)
 
     def prepare_tokenizer(self, tokenizer: Any) -> Any:
         """Adapt the tokenizer before training (default: unchanged). Returns it."""

@@ -9,10 +9,10 @@ from typing import Any
 from trl import GRPOConfig
 
 from gear.constraints import Check, check_fields, checked, field_checks
-from gear.credit import CreditParams
-from gear.credit.params import GYM_ONLY_FIELDS
+from gear.credit import METHODS, CreditParams
+from gear.credit.params import CONTEXT_FIELDS
 from gear.settings import setting
-from gear.teacher import HINT_KINDS, TEACHERS, TEXT_HINT_POSITIONS
+from gear.teacher import HINT_KINDS, TEACHERS, TEXT_HINT_POSITIONS, uses_answer
 
 LOSS_MODES = ("rl", "self_distill")
 # TRL's loss formulations (GRPOConfig.loss_type's help; GRPOTrainer raises on any other, but only
@@ -54,7 +54,7 @@ TRL_FIELD_CHECKS: dict[str, Check] = {
 }
 
 _CREDIT_FIELDS = {
-    f.name: f for f in dataclasses.fields(CreditParams) if f.name not in GYM_ONLY_FIELDS
+    f.name: f for f in dataclasses.fields(CreditParams) if f.name not in CONTEXT_FIELDS
 }
 
 
@@ -114,6 +114,18 @@ class GEARConfig(GRPOConfig):
             "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
         },
     )
+    teacher_context: str = setting("teacher_context")
+    answer_column: str = field(
+        default="answer",
+        metadata={
+            "help": "Dataset column (with environment_factory: the environment's attribute) whose "
+            "value, the final answer, fills the hint of the 'answer_only' and 'contrast' teacher "
+            "contexts in place of ground_truth_column. 'contrast' shows its second teacher a "
+            "wrong answer: GEARTrainer's `wrong_answer(answer, rng)` hook (default: a number "
+            "plus a nonzero offset, else another answer of the dataset)."
+        },
+    )
+    answer_hint_template: str = setting("answer_hint_template")
     hint_kind: str = setting("hint_kind")
     math_hint_template: str = setting("math_hint_template")
     tool_hint_template: str = setting("tool_hint_template")
@@ -167,11 +179,31 @@ class GEARConfig(GRPOConfig):
         check_fields("GEARConfig", self, config_checks())
         super().__post_init__()
         self.credit_params  # noqa: B018  (validates every credit_* field)
+        if self.teacher_context == "contrast":
+            if "kl" not in METHODS[self.credit_method].requires:
+                raise ValueError(
+                    f"GEARConfig.teacher_context: 'contrast' subtracts a second teacher's KL, "
+                    f"and credit_method={self.credit_method!r} reads no KL; use a method that "
+                    "does (gear, gear_token, gear_departure*, ...) or another context"
+                )
+            if self.loss_mode == "self_distill":
+                raise ValueError(
+                    "GEARConfig.teacher_context: 'contrast' changes the credit of loss_mode='rl'; "
+                    "loss_mode='self_distill' has none (use 'worked_solution' or 'answer_only')"
+                )
 
     @property
     def credit_params(self) -> CreditParams:
-        """The `credit_*` fields as a validated `CreditParams`."""
-        return CreditParams(**{name: getattr(self, f"credit_{name}") for name in _CREDIT_FIELDS})
+        """The `credit_*` fields as a validated `CreditParams` (`contrast` set by
+        `teacher_context='contrast'`)."""
+        values = {name: getattr(self, f"credit_{name}") for name in _CREDIT_FIELDS}
+        return CreditParams(**values, contrast=self.teacher_context == "contrast")
+
+    @property
+    def hint_column(self) -> str:
+        """The column (or environment attribute) that fills the teacher hint under
+        `teacher_context`: `answer_column` for the answer contexts, else `ground_truth_column`."""
+        return self.answer_column if uses_answer(self.teacher_context) else self.ground_truth_column
 
 
 def config_checks() -> dict[str, Check]:

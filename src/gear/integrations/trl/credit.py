@@ -25,6 +25,7 @@ def batch_credit(
     turn_starts: Tensor | None,
     signals: TokenSignals | None,
     params: CreditParams,
+    contrast_kl: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
@@ -32,11 +33,13 @@ def batch_credit(
         advantages: (B,) this process's sequence advantages.
         valid: (B, T) bool policy tokens; turn_starts: (B, T) bool or None.
         signals: this process's (B, T) signals, or None when the method needs none.
+        contrast_kl: (B, T) KL to the contrast teacher (`params.contrast`), or None.
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
         "turn_starts": turn_starts,
         **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
+        "contrast_kl": contrast_kl,
     }
     world = accelerator.num_processes
     B, T = valid.shape

@@ -8,7 +8,10 @@ budget. The teacher input is that prompt, left-padded, followed by the student's
 Ground truth comes from the dataset column `ground_truth_column` or, when an environment owns
 the data (`environment_factory=`), from the environment: each rollout's instance exposes an
 attribute (or property) of that name after `reset()`, read once, before the first model turn
-(`environment_ground_truths`); a value there wins over the row's column.
+(`environment_ground_truths`); a value there wins over the row's column. Under the answer
+teacher contexts ('answer_only', 'contrast') the hint reads `answer_column` the same way
+(`GEARConfig.hint_column`); 'contrast' also builds a second set of prompts whose hint is a wrong
+answer (`contrast_answers`).
 """
 
 from __future__ import annotations
@@ -22,17 +25,33 @@ import torch
 from torch import Tensor
 from trl.trainer.utils import pad
 
-from gear.teacher import TeacherPrompts, build_teacher_prompts, ground_truth_text, hint_template
+from gear.teacher import (
+    TeacherPrompts,
+    WrongAnswer,
+    build_teacher_prompts,
+    check_wrong_answers,
+    context_hint_template,
+    ground_truth_text,
+    wrong_answers,
+)
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
 
 
 def trainer_hint_template(trainer: GRPOTrainer) -> str:
-    """The configured hint template ('auto': 'tool' with tools or an environment)."""
+    """The configured hint template: the teacher context's (`gear.teacher.context_hint_template`;
+    'auto': 'tool' with tools or an environment)."""
     a = trainer.args
     uses_tools = bool(trainer.tools) or trainer.environment_factories is not None
-    return hint_template(a.hint_kind, uses_tools, a.math_hint_template, a.tool_hint_template)
+    return context_hint_template(
+        a.teacher_context,
+        a.hint_kind,
+        uses_tools,
+        a.math_hint_template,
+        a.tool_hint_template,
+        a.answer_hint_template,
+    )
 
 
 def render_prompt(trainer: GRPOTrainer, prompt: Any, tools: list | None) -> list[int]:
@@ -103,22 +122,53 @@ def eval_datasets(eval_dataset: Any) -> list:
     return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
 
 
-def require_column(column: str, present: list[str]) -> None:
-    """The clear error of a missing ground-truth column, naming the columns present."""
+def column_setting(args: Any) -> str:
+    """The config field that names the hint's column, as an error message names it:
+    'ground_truth_column', or 'answer_column' (with the teacher context that reads it)."""
+    if args.hint_column == args.ground_truth_column:
+        return "ground_truth_column"
+    return f"answer_column (teacher_context={args.teacher_context!r})"
+
+
+def require_column(column: str, present: list[str], setting: str = "ground_truth_column") -> None:
+    """The clear error of a missing hint column, naming the setting and the columns present."""
     if column not in present:
+        field = setting.split(" ")[0]
         raise ValueError(
-            f"ground_truth_column: the teacher hint needs column {column!r}, which the dataset does not have; "
-            f"columns present: {sorted(present)}. Set GEARConfig.ground_truth_column to one of them "
+            f"{setting}: the teacher hint needs column {column!r}, which the dataset does not have; "
+            f"columns present: {sorted(present)}. Set GEARConfig.{field} to one of them "
             "(and keep remove_unused_columns=False)."
         )
 
 
-def ground_truths_of(inputs: list[dict[str, Any]], column: str) -> list[Any]:
+def ground_truths_of(
+    inputs: list[dict[str, Any]], column: str, setting: str = "ground_truth_column"
+) -> list[Any]:
     """Each row's ground truth (None allowed: no hint); a missing column is an error."""
     for row in inputs:
         if column not in row:
-            require_column(column, list(row))
+            require_column(column, list(row), setting)
     return [row[column] for row in inputs]
+
+
+def contrast_pool(
+    train_dataset: Any, column: str, wrong_answer: WrongAnswer, seed: int
+) -> list[str]:
+    """Start-up check of teacher_context='contrast' (`gear.teacher.check_wrong_answers`): every
+    answer of the training dataset's `column` gets a wrong one. Returns its distinct answers,
+    the pool a row draws another answer from where `wrong_answer` gives None (none: a dataset
+    without that column, or one that cannot be read up front; the batch's answers remain)."""
+    columns = getattr(train_dataset, "column_names", None)
+    if columns is None or column not in columns:
+        return []
+    return check_wrong_answers(train_dataset[column], wrong_answer, seed)
+
+
+def contrast_answers(
+    answers: list[Any], rng: Any, wrong_answer: WrongAnswer, pool: list[str]
+) -> list[str | None]:
+    """The contrast teacher's (wrong) answer of each row (`gear.teacher.wrong_answers`)."""
+    return wrong_answers(answers, rng, wrong_answer, pool)
 
 
 # ----------------------------------------------------------------------------- environments
@@ -171,7 +221,8 @@ def _refuse_method(environment_class: type, name: str) -> None:
 def check_ground_truth_sources(trainer: GRPOTrainer, train_dataset: Any, eval_dataset: Any) -> None:
     """Start-up check that episodes can have a ground truth (methods that need the teacher).
 
-    Without an environment every dataset needs the ground-truth column. With one, a row's
+    The column is `GEARConfig.hint_column` (`answer_column` under the answer teacher contexts),
+    and errors name its setting. Without an environment every dataset needs it. With one, a row's
     ground truth comes from its dataset column or from its environment
     (`can_supply_ground_truth`). If no episode can ever have one (a dataset, or TRL's
     placeholder when the environment owns the data, lacks the column and no environment can
@@ -179,13 +230,13 @@ def check_ground_truth_sources(trainer: GRPOTrainer, train_dataset: Any, eval_da
     others get weight 1 (plain GRPO), counted in `gear/rows_without_ground_truth`, and one
     warning names them.
     """
-    column = trainer.args.ground_truth_column
+    column, setting = trainer.args.hint_column, column_setting(trainer.args)
     datasets = [train_dataset, *eval_datasets(eval_dataset)]
     if trainer.environment_factories is None:
         for ds in datasets:
             columns = getattr(ds, "column_names", None)
             if columns is not None:
-                require_column(column, list(columns))
+                require_column(column, list(columns), setting)
         return
     # TRL probed one instance of each environment at construction; it stays in its pool
     probes = {name: pool[0] for name, pool in trainer._environment_pool.items()}
@@ -205,7 +256,7 @@ def check_ground_truth_sources(trainer: GRPOTrainer, train_dataset: Any, eval_da
     names = sorted(type(probes[n]).__name__ for n in set(probes) - supplying)
     if not supplying:
         raise ValueError(
-            f"ground_truth_column: no episode can have a ground truth for the teacher hint: the "
+            f"{setting}: no episode can have a ground truth for the teacher hint: the "
             f"dataset has no column {column!r} (columns present: {sorted(lacking[0])}) and the "
             f"environment ({', '.join(names)}) has no attribute {column!r}. Let the environment "
             f"supply each episode's ground truth: set `self.{column} = ...` in reset() (declare "

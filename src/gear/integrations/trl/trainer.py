@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import random
 import time
 import warnings
 from typing import Any, ClassVar
@@ -34,6 +35,9 @@ from gear.integrations.trl.forwards import Forwards, eval_mode
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
     check_ground_truth_sources,
+    column_setting,
+    contrast_answers,
+    contrast_pool,
     environment_ground_truths,
     ground_truths_of,
     teacher_inputs,
@@ -52,7 +56,7 @@ from gear.integrations.trl.teacher_model import (
 )
 from gear.integrations.trl.vllm_sync import keep_vllm_weights_updatable
 from gear.modeling import LogitConventions
-from gear.teacher import TeacherPrompts
+from gear.teacher import TeacherPrompts, WrongAnswer, offset_answer
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
 if not TESTED_TRL[0] <= Version(trl.__version__) < TESTED_TRL[1]:
@@ -69,9 +73,14 @@ class GEARTrainer(GRPOTrainer):
     Same constructor and datasets as `GRPOTrainer`; a credit method that needs the teacher (all
     but `grpo` and `entropy_top`) or `loss_mode="self_distill"` needs a ground-truth column
     (`GEARConfig.ground_truth_column`) or, when an environment owns the data, an environment
-    attribute of that name set by `reset()` (docs/trl.md). Two extra keyword arguments select a separate frozen
-    teacher (`teacher="frozen"` only): `teacher_model` (model or path) and
-    `teacher_processing_class`, whose vocabulary must equal the policy's.
+    attribute of that name set by `reset()` (docs/trl.md); the answer teacher contexts
+    (`teacher_context='answer_only'` or `'contrast'`) read `GEARConfig.answer_column` instead.
+    Two extra keyword arguments select a separate frozen teacher (`teacher="frozen"` only):
+    `teacher_model` (model or path) and `teacher_processing_class`, whose vocabulary must equal
+    the policy's. A third, `wrong_answer` (`teacher_context='contrast'` only), is the hook
+    `(answer, rng) -> str | None` that gives the contrast teacher its wrong answer (a task's
+    `Task.wrong_answer`; default `gear.teacher.offset_answer`: a number plus a nonzero offset;
+    where it gives None, another answer of the dataset or batch).
     """
 
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "gear"]
@@ -102,6 +111,7 @@ class GEARTrainer(GRPOTrainer):
         *,
         teacher_model: PreTrainedModel | str | None = None,
         teacher_processing_class: Any = None,
+        wrong_answer: WrongAnswer | None = None,
     ) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -119,6 +129,11 @@ class GEARTrainer(GRPOTrainer):
             raise ValueError(
                 f"teacher_model / teacher_processing_class: only used with teacher='frozen', "
                 f"got teacher={args.teacher!r}"
+            )
+        if wrong_answer is not None and args.teacher_context != "contrast":
+            raise ValueError(
+                f"wrong_answer: only used with teacher_context='contrast', got "
+                f"teacher_context={args.teacher_context!r}"
             )
 
         super().__init__(
@@ -172,6 +187,13 @@ class GEARTrainer(GRPOTrainer):
             )
         if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
             check_ground_truth_sources(self, train_dataset, eval_dataset)
+        # teacher_context='contrast': the wrong-answer hook, checked on every answer up front
+        self._gear_wrong_answer = wrong_answer or offset_answer
+        self._gear_answer_pool = (
+            contrast_pool(train_dataset, args.hint_column, self._gear_wrong_answer, args.seed)
+            if self.credit_params.contrast
+            else []
+        )
         self._forwards = Forwards(
             accelerator=self.accelerator,
             conventions=conventions,
@@ -227,7 +249,7 @@ class GEARTrainer(GRPOTrainer):
         # each rollout's ground truth as its environment holds it right after reset(), before a
         # tool call can change the environment's state
         self._gear_env_ground_truths = (
-            environment_ground_truths(self.environments, self.args.ground_truth_column)
+            environment_ground_truths(self.environments, self.args.hint_column)
             if self.environment_factories is not None and self.environments
             else None
         )
@@ -267,21 +289,22 @@ class GEARTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         mode = "train" if self.model.training else "eval"
         if self._needs_teacher and self.rollout_func is None and self.environment_factories is None:
-            ground_truths_of(inputs, self.args.ground_truth_column)  # fail before generating
+            # fail before generating
+            ground_truths_of(inputs, self.args.hint_column, column_setting(self.args))
         rl = self.args.loss_mode == "rl"
         with self._student.capturing(rl and self._needs_signals):
             output = super()._generate_and_score_completions(inputs)
 
         stats: dict[str, float] = {}
-        signals = credit_signals = None
+        signals = credit_signals = contrast_kl = None
         valid, turn_starts = _response_mask(output)
-        teacher = None
+        teacher = contrast = None
         if self._needs_teacher:
             t0 = time.perf_counter()
-            gts = batch_ground_truths(
-                inputs, self.args.ground_truth_column, self._gear_env_ground_truths
-            )
+            gts = batch_ground_truths(inputs, self.args.hint_column, self._gear_env_ground_truths)
             teacher = self._teacher_inputs(self._gear_prompts, gts, output, stats)
+            if self.credit_params.contrast:
+                contrast = self._contrast_inputs(self._gear_prompts, gts, output, mode)
             stats["gear/time_teacher_prompts"] = time.perf_counter() - t0
             if not rl:  # self_distill: the teacher pass runs in the loss, on each micro-batch
                 (
@@ -292,14 +315,16 @@ class GEARTrainer(GRPOTrainer):
                 log_stats(self.accelerator, self._metrics[mode], stats)
                 return output
         if self._needs_signals:
-            signals = self._token_signals(output, teacher, valid, mode, stats)
+            signals, contrast_kl = self._token_signals(
+                output, teacher, valid, mode, stats, contrast
+            )
             credit_signals = (
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
-        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals)
+        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals, contrast_kl)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
         log_stats(self.accelerator, self._metrics[mode], stats)
@@ -350,10 +375,13 @@ class GEARTrainer(GRPOTrainer):
         valid: Tensor,
         mode: str,
         stats: dict[str, float],
-    ) -> TokenSignals:
+        contrast: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[TokenSignals, Tensor | None]:
         """One student pass (or the states of generation or of TRL's pass, captured) and, given
         `teacher` = (ids, mask, has_hint), one teacher pass (eval mode, like the student's);
-        then the chunked signals at the (B, T) `valid` policy tokens."""
+        then the chunked signals at the (B, T) `valid` policy tokens. Given `contrast` = (ids,
+        mask) of the contrast teacher (a wrong answer), one more teacher pass and its (B, T) KL
+        by the same kernel (`gear/time_contrast`: that pass and its signals), else None."""
         completion_ids = output["completion_ids"]
         n_keep = completion_ids.size(1)
         batch_size = (
@@ -384,7 +412,18 @@ class GEARTrainer(GRPOTrainer):
         signals = self._signals(student_hidden, teacher_hidden, completion_ids, mask=valid)
         stats["gear/time_student"] = t1 - t0 if forward else 0.0
         stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
-        return signals
+        contrast_kl = None
+        if contrast is not None:
+            t3 = time.perf_counter()
+            with eval_mode(self.accelerator.unwrap_model(self._teacher())):
+                contrast_hidden = self._final_hidden(
+                    self._teacher(), contrast[0], contrast[1], n_keep, batch_size
+                )
+            contrast_kl = self._signals(
+                student_hidden, contrast_hidden, completion_ids, mask=valid
+            ).kl
+            stats["gear/time_contrast"] = time.perf_counter() - t3
+        return signals, contrast_kl
 
     def _credit(
         self,
@@ -392,10 +431,17 @@ class GEARTrainer(GRPOTrainer):
         valid: Tensor,
         turn_starts: Tensor | None,
         signals: TokenSignals | None,
+        contrast_kl: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
         return batch_credit(
-            self.accelerator, advantages, valid, turn_starts, signals, self._batch_credit_params()
+            self.accelerator,
+            advantages,
+            valid,
+            turn_starts,
+            signals,
+            self._batch_credit_params(),
+            contrast_kl=contrast_kl,
         )
 
     def _teacher(self) -> nn.Module:
@@ -422,6 +468,20 @@ class GEARTrainer(GRPOTrainer):
 
     def _teacher_prompts(self, prompts: list, ground_truths: list) -> TeacherPrompts:
         return teacher_prompts(self, prompts, ground_truths)
+
+    def _contrast_inputs(
+        self, prompts: list, answers: list, output: dict[str, Any], mode: str
+    ) -> tuple[Tensor, Tensor]:
+        """Teacher inputs (ids, mask) of the contrast teacher: each row's prompt with a wrong
+        answer in the same hint template (`prompts.contrast_answers`; drawn from a generator
+        seeded by the run's seed, the step, the process and the mode)."""
+        rng = random.Random(
+            f"{self.args.seed}:{self.state.global_step}:{self.accelerator.process_index}:{mode}"
+        )
+        wrong = contrast_answers(answers, rng, self._gear_wrong_answer, self._gear_answer_pool)
+        built = self._teacher_prompts(prompts, wrong)
+        ids, mask, _ = teacher_inputs(built, output, self._tokenizer.pad_token_id)
+        return ids, mask
 
     # ------------------------------------------------------------------------------- forwards
 

@@ -21,9 +21,10 @@ from typing import Any
 
 from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import METHODS, CreditParams
-from gear.credit.params import GYM_ONLY_FIELDS
+from gear.credit.params import CONTEXT_FIELDS
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.settings import setting
+from gear.teacher import uses_answer
 
 #: verl estimator name -> gear.credit method, one per registered method: the method's own name
 #: where it starts with "gear", else "gear_" + name (no bare "grpo": verl has its own).
@@ -33,9 +34,16 @@ VERL_ESTIMATORS: dict[str, str] = {
 }
 TRAINER_MODE = "gear_sync"
 TEACHERS = ("current",)  # of gear.teacher.TEACHERS, the ones the verl integration runs
+#: of gear.teacher.TEACHER_CONTEXTS, the ones the verl integration runs ('contrast' needs a second
+#: teacher forward in the worker's pass, not wired yet)
+TEACHER_CONTEXTS = ("worked_solution", "answer_only")
+_DOTTED_PATH = Check(
+    test=lambda p: isinstance(p, str) and bool(p.strip(".")),
+    expect="a dotted field path such as 'reward_model.ground_truth'",
+)
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 _CREDIT_KEYS = tuple(
-    f.name for f in fields(CreditParams) if f.name not in ("method", *GYM_ONLY_FIELDS)
+    f.name for f in fields(CreditParams) if f.name not in ("method", *CONTEXT_FIELDS)
 )
 
 
@@ -56,11 +64,23 @@ class GearVerlConfig:
     ground_truth_field: str = checked(
         "reward_model.ground_truth",
         "Dotted path of the row field whose value fills the teacher hint's {ground_truth}.",
-        Check(
-            test=lambda p: isinstance(p, str) and bool(p.strip(".")),
-            expect="a dotted field path such as 'reward_model.ground_truth'",
+        _DOTTED_PATH,
+    )
+    teacher_context: str = setting(
+        "teacher_context",
+        check=Check(
+            choices=TEACHER_CONTEXTS,
+            expect=f"one of {', '.join(map(repr, TEACHER_CONTEXTS))} ('contrast' runs in the TRL "
+            "integration only for now)",
         ),
     )
+    answer_field: str = checked(
+        "reward_model.ground_truth",
+        "Dotted path of the row field holding the final answer (verl's reward reference), which "
+        "fills the hint of teacher_context 'answer_only' in place of ground_truth_field.",
+        _DOTTED_PATH,
+    )
+    answer_hint_template: str = setting("answer_hint_template")
     hint_kind: str = setting("hint_kind")
     math_hint_template: str = setting("math_hint_template")
     tool_hint_template: str = setting("tool_hint_template")
@@ -101,6 +121,16 @@ class GearVerlConfig:
 
     def credit_params(self, method: str) -> CreditParams:
         return CreditParams(method=method, **self.credit)
+
+    @property
+    def hint_field(self) -> str:
+        """The row field that fills the teacher hint under `teacher_context`."""
+        return self.answer_field if uses_answer(self.teacher_context) else self.ground_truth_field
+
+    @property
+    def hint_setting(self) -> str:
+        """The key that names `hint_field`, as errors name it."""
+        return "answer_field" if uses_answer(self.teacher_context) else "ground_truth_field"
 
 
 @dataclass(frozen=True)
@@ -188,10 +218,13 @@ def _train_files(cfg: Any) -> list[str]:
     return [files] if isinstance(files, str) else [str(f) for f in files]
 
 
-def check_ground_truth_field(field_path: str, files: list[str]) -> None:
-    """Fail early when local parquet files lack the ground-truth field (remote files: skipped).
+def check_ground_truth_field(
+    field_path: str, files: list[str], setting: str = "ground_truth_field"
+) -> None:
+    """Fail early when local parquet files lack the hint's field (remote files: skipped).
 
-    Raises `GearConfigError` naming the field and the columns (or sub-fields) that exist.
+    Raises `GearConfigError` naming `gear.<setting>`, the field and the columns (or sub-fields)
+    that exist.
     """
     local = [f for f in files if "://" not in f and os.path.isfile(os.path.expanduser(f))]
     if not local:
@@ -212,9 +245,13 @@ def check_ground_truth_field(field_path: str, files: list[str]) -> None:
             if part not in names:
                 where = ".".join(parts[:depth]) or "the dataset"
                 raise GearConfigError(
-                    f"gear.ground_truth_field={field_path!r}: {where} in {path} has no field {part!r}; "
-                    f"fields present: {sorted(names)}. Set gear.ground_truth_field to the field holding "
-                    "the reference solution."
+                    f"gear.{setting}={field_path!r}: {where} in {path} has no field {part!r}; "
+                    f"fields present: {sorted(names)}. Set gear.{setting} to the field holding "
+                    + (
+                        "the final answer."
+                        if setting == "answer_field"
+                        else "the reference solution."
+                    )
                 )
             typ = node.field(part).type
             if isinstance(typ, pa.StructType):
@@ -286,7 +323,7 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         norm_adv_by_std=bool(_get(cfg, "algorithm.norm_adv_by_std_in_grpo", True)),
     )
     if check_files and settings.needs_teacher:  # only the teacher hint reads the ground truth
-        check_ground_truth_field(g.ground_truth_field, _train_files(cfg))
+        check_ground_truth_field(g.hint_field, _train_files(cfg), g.hint_setting)
     return settings
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gear.integrations.verl.config import GearConfigError, GearVerlConfig
-from gear.teacher import TeacherPrompts, hint_template
+from gear.teacher import TeacherPrompts, context_hint_template
 from gear.teacher import build_teacher_prompts as build_prompts
 
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], Sequence[int]]
@@ -27,7 +27,7 @@ TOOL_AGENT = "tool_agent"
 
 
 class MissingGroundTruthError(GearConfigError):
-    """A row has no field at `gear.ground_truth_field`."""
+    """A row has no field at `gear.ground_truth_field` (or `gear.answer_field`)."""
 
 
 def _keys(node: Any) -> list[str]:
@@ -36,11 +36,12 @@ def _keys(node: Any) -> list[str]:
     return sorted(k for k in dir(node) if not k.startswith("_")) if node is not None else []
 
 
-def get_field(row: Mapping[str, Any], path: str) -> Any:
+def get_field(row: Mapping[str, Any], path: str, setting: str = "ground_truth_field") -> Any:
     """row["a"]["b"] for path "a.b" (dicts, or objects with attributes).
 
     Raises:
-        MissingGroundTruthError: naming the field and the keys present where the lookup stopped.
+        MissingGroundTruthError: naming `gear.<setting>`, the field and the keys present where
+            the lookup stopped.
     """
     node: Any = row
     parts = path.split(".")
@@ -51,9 +52,10 @@ def get_field(row: Mapping[str, Any], path: str) -> Any:
             node = getattr(node, part)
         else:
             where = ".".join(parts[:depth]) or "the row"
+            what = "the final answer" if setting == "answer_field" else "the reference solution"
             raise MissingGroundTruthError(
-                f"gear.ground_truth_field={path!r}: {where} has no field {part!r}; fields present: "
-                f"{_keys(node)}. Set gear.ground_truth_field to the field holding the reference solution."
+                f"gear.{setting}={path!r}: {where} has no field {part!r}; fields present: "
+                f"{_keys(node)}. Set gear.{setting} to the field holding {what}."
             )
     return node
 
@@ -82,7 +84,8 @@ def build_teacher_prompts(
     Args:
         rows: per row a mapping with at least ``raw_prompt`` and the ground-truth field's root.
         student_prompts: the rollout prompt ids of each row (used as is where there is no hint).
-        cfg: GEAR's settings (ground-truth field, hint kind and templates, budget).
+        cfg: GEAR's settings (teacher context, ground-truth or answer field, hint kind and
+            templates, budget).
         render: (messages, tools) -> prompt ids, exactly as the rollout rendered its prompt.
         tools_for_row: the tool schemas the rollout showed for this row (None: no tools).
         tokenize / detokenize: plain text <-> ids, to cut an over-long ground truth.
@@ -92,11 +95,19 @@ def build_teacher_prompts(
     """
     skipped = [bool(skip[i]) if skip is not None else False for i in range(len(rows))]
     truths = [
-        None if skipped[i] else get_field(row, cfg.ground_truth_field) for i, row in enumerate(rows)
+        None if skipped[i] else get_field(row, cfg.hint_field, cfg.hint_setting)
+        for i, row in enumerate(rows)
     ]
     tools = [None if skipped[i] else tools_for_row(row) for i, row in enumerate(rows)]
     templates = [
-        hint_template(cfg.hint_kind, t is not None, cfg.math_hint_template, cfg.tool_hint_template)
+        context_hint_template(
+            cfg.teacher_context,
+            cfg.hint_kind,
+            t is not None,
+            cfg.math_hint_template,
+            cfg.tool_hint_template,
+            cfg.answer_hint_template,
+        )
         for t in tools
     ]
     return build_prompts(

@@ -233,7 +233,7 @@ class GearPPOTrainer(PPOTrainerSync):
         return list(schemas.values())
 
     def _gear_row_fields(self) -> list[str]:
-        root = self.gear_settings.gear.ground_truth_field.split(".")[0]
+        root = self.gear_settings.gear.hint_field.split(".")[0]
         fields = ["prompts", "responses", "raw_prompt", root]
         multi_turn = self.config.actor_rollout_ref.rollout.multi_turn
         if multi_turn.get("tool_config_path") or multi_turn.get("function_tool_path"):
@@ -252,9 +252,9 @@ class GearPPOTrainer(PPOTrainerSync):
             missing = [f for f in fields if f not in present]
             if not missing:
                 raise
-            gt = self.gear_settings.gear.ground_truth_field
+            g = self.gear_settings.gear
             raise KeyError(
-                f"GEAR needs the batch fields {missing} (gear.ground_truth_field={gt!r}); "
+                f"GEAR needs the batch fields {missing} (gear.{g.hint_setting}={g.hint_field!r}); "
                 f"fields present: {present}"
             ) from e
 
