@@ -19,7 +19,7 @@ from gear.settings import GEARSettings
 SHARED = {f.name: f for f in dataclasses.fields(GEARSettings)}
 # where an integration differs from the schema, on purpose (setting(name, default=/check=))
 VERL_DEFAULTS = {"credit_log_steps": 0}  # records only when asked
-VERL_CHECKS = {"teacher", "teacher_context"}  # the current teacher only; contrast: TRL only
+VERL_CHECKS = {"teacher"}  # the current teacher only
 
 BAD = [
     ("teacher", "oracle"),
@@ -94,13 +94,17 @@ def test_verl_narrows_the_teachers_to_the_current_one(tmp_path):
         GearVerlConfig(teacher="ema")
 
 
-def test_verl_refuses_the_contrast_context_naming_it_and_trl_takes_every_context(tmp_path):
+def test_both_configs_take_every_context_and_contrast_needs_a_kl_method(tmp_path):
     schema = SHARED["teacher_context"].metadata["check"]
     for context in schema.choices:
         assert GEARConfig(output_dir=str(tmp_path), use_cpu=True, teacher_context=context)
+        settings = validate_verl_config(verl_run(teacher_context=context), check_files=False)
+        assert settings.params.contrast == (context == "contrast")
     assert GearVerlConfig(teacher_context="answer_only").hint_field == "reward_model.ground_truth"
-    with pytest.raises(GearConfigError, match=r"gear\.teacher_context.*TRL integration only"):
-        validate_verl_config(verl_run(teacher_context="contrast"), check_files=False)
+    refused = verl_run(teacher_context="contrast")
+    refused["algorithm"]["adv_estimator"] = "gear_rlsd"
+    with pytest.raises(GearConfigError, match=r"gear\.teacher_context.*reads no KL"):
+        validate_verl_config(refused, check_files=False)
 
 
 def test_the_defaults_pass_their_own_checks(tmp_path):

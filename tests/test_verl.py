@@ -32,6 +32,7 @@ from gear.integrations.verl.config import (
     VERL_ESTIMATORS,
     GearConfigError,
     GearVerlConfig,
+    answer_values,
     check_ground_truth_field,
     default_gear_section,
     validate_verl_config,
@@ -844,6 +845,124 @@ def test_trainer_plumbing_with_a_fake_worker(monkeypatch, tiny_lm, tmp_path):
         if "actor" in str(r).lower()
     ]
     assert actors == [GearActorRolloutRefWorker]
+
+
+def test_contrast_runs_a_second_teacher_shown_a_wrong_answer(monkeypatch, tiny_lm):
+    """teacher_context: contrast through GEAR's trainer and the real worker (fake TransferQueue):
+    each row's contrast prompt shows a wrong answer (the numeric default: the answer plus a
+    nonzero offset) in the answer template, its KL equals an unpadded oracle's, and the
+    advantages are gear.credit's with `contrast_kl`."""
+    pytest.importorskip("verl")
+    pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import trainer_base, trainer_sync
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from gear.integrations.verl import trainer as gear_trainer
+
+    tq = FakeTQ()
+    monkeypatch.setattr(gear_trainer, "tq", tq)
+    monkeypatch.setattr(trainer_base, "tq", tq)
+    register_estimators()
+    _, _, responses = random_rows(5, n=6)
+    keys = [f"{u}_{s}_0" for u in ("uidA", "uidB") for s in range(3)]
+    uids = [k.split("_")[0] for k in keys]
+    masks = [torch.ones(len(r), dtype=torch.long) for r in responses]
+    scores = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    raw = [[{"role": "user", "content": f"question {i // 3}"}] for i in range(6)]
+    student = [fake_render(m, None) for m in raw]
+    answers = [str(10 + i // 3) for i in range(6)]
+    rows = [
+        tq_row(uids[i], student[i], responses[i], masks[i], scores[i], raw[i], answers[i])
+        for i in range(6)
+    ]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
+    batch = KVBatchMeta(keys=keys, tags=[{}] * 6, partition_id="train", extra_info={})
+    config = OmegaConf.create(
+        {
+            **verl_cfg(**{"gear.teacher_context": "contrast", "gear.signal_chunk_size": 5}),
+            "data": {"apply_chat_template_kwargs": {}},
+        }
+    )
+    config.algorithm.update({"use_kl_in_reward": False, "gamma": 1.0, "lam": 1.0})
+    config.actor_rollout_ref.rollout.update(
+        {"temperature": 0.8, "n": 3, "multi_turn": {}, "agent": {}}
+    )
+    trainer = object.__new__(gear_trainer.GearPPOTrainer)
+    trainer.config = config
+    trainer.gear_settings = validate_verl_config(config)
+    trainer._gear_render, trainer._gear_tool_schemas = fake_render, {}
+    trainer._gear_next_record_step, trainer._gear_answer_pool = 0, []
+    trainer.global_steps, trainer.tokenizer, trainer.processor = 1, Tok(), None
+    trainer.actor_rollout_wg = FakeActorWorkerGroup(tq, tiny_lm)
+    monkeypatch.setattr(trainer_sync.PPOTrainerSync, "_compute_old_log_prob", verl_old_log_prob)
+    trainer._compute_old_log_prob(batch, {})
+    assert trainer.actor_rollout_wg.asked[0][2]["gear_contrast"] is True
+
+    names = ["gear_teacher_prompts", "gear_contrast_prompts", "gear_contrast_kl", "gear_kl"]
+    got = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=names)
+
+    def hinted(i, answer):
+        hint = f"The final answer is {answer}."
+        return fake_render([{"role": "user", "content": f"{raw[i][0]['content']}\n\n{hint}"}], None)
+
+    for i in range(6):
+        assert got["gear_teacher_prompts"][i].tolist() == hinted(i, answers[i])
+        shown = [
+            int(answers[i]) + d
+            for d in (-3, -2, -1, 1, 2, 3)
+            if hinted(i, int(answers[i]) + d) == got["gear_contrast_prompts"][i].tolist()
+        ]
+        assert len(shown) == 1  # a wrong answer, in the same template
+        ref = reference_signals(tiny_lm, student[i], hinted(i, shown[0]), responses[i], 0.8)
+        torch.testing.assert_close(got["gear_contrast_kl"][i], ref.kl[0], rtol=1e-4, atol=1e-5)
+
+    metrics = {}
+    trainer._compute_advantage(batch, metrics)
+    width = max(len(r) for r in responses)
+
+    def pad(rows):
+        return torch.stack([torch.nn.functional.pad(r.float(), (0, width - len(r))) for r in rows])
+
+    fields = [*SIGNAL_FIELDS.values(), "gear_contrast_kl"]
+    sig = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=fields)
+    sig = {f: pad(list(sig[f].unbind())) for f in fields}
+    rewards = pad([r["rm_scores"] for r in rows])
+    want = token_advantages(
+        grpo_advantages(rewards.sum(-1), uids),
+        pad(masks).bool(),
+        kl=sig["gear_kl"],
+        entropy=sig["gear_entropy"],
+        contrast_kl=sig["gear_contrast_kl"],
+        params=CreditParams(contrast=True),
+    )
+    adv = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages"])
+    for i in range(6):
+        torch.testing.assert_close(adv["advantages"][i], want[i, : len(responses[i])])
+    plain = token_advantages(
+        grpo_advantages(rewards.sum(-1), uids),
+        pad(masks).bool(),
+        kl=sig["gear_kl"],
+        entropy=sig["gear_entropy"],
+        params=CreditParams(),
+    )
+    assert not torch.allclose(want, plain)  # the contrast changed the credit
+
+
+def test_contrast_without_any_wrong_answer_in_the_training_files_fails_before_start(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    table = [{"prompt": "q", "reward_model": {"ground_truth": a}} for a in ("4", "seven", "8")]
+    pq.write_table(pa.Table.from_pylist(table), path)
+    cfg = verl_cfg(**{"data.train_files": str(path), "gear.teacher_context": "contrast"})
+    assert answer_values("reward_model.ground_truth", [str(path)]) == ["4", "seven", "8"]
+    assert validate_verl_config(cfg).params.contrast  # "seven" is shown "4" or "8"
+    pq.write_table(pa.Table.from_pylist(table[1:2] * 3), path)
+    with pytest.raises(GearConfigError, match=r"gear\.teacher_context='contrast': no wrong answer"):
+        validate_verl_config(cfg)
 
 
 @pytest.mark.skipif(

@@ -102,6 +102,31 @@ def test_micro_batch_signals_equal_full_logits(model, remove_padding):
     assert float(torch.cat(same["kl"]).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_the_contrast_teachers_kl_is_a_second_pass_of_the_same_kernel(model, remove_padding):
+    """teacher_context: contrast: a second group of teacher forwards over the contrast prompts
+    (a wrong answer); its KL equals the full-logits oracle's, the other signals are unchanged."""
+    prompts, teachers, responses = rows(2)
+    others, other_teachers, _ = rows(3)
+    # each student prompt with another hint (of another length): the contrast teacher's prompt
+    contrasts = [p + t[len(o) :] for p, t, o in zip(prompts, other_teachers, others, strict=True)]
+    p, r = [torch.tensor(x) for x in prompts], [torch.tensor(x) for x in responses]
+    t, c = [torch.tensor(x) for x in teachers], [torch.tensor(x) for x in contrasts]
+    opts = TeacherPassOptions(temperature=0.7, chunk_size=3, micro_batch_size=2, contrast=True)
+    with count_forwards(model) as calls:
+        out = micro_batch_signals(model, None, p, t, r, opts, remove_padding, contrast_prompts=c)
+    assert calls[0] == 1 + 2 * 3  # the student, 3 teacher groups, 3 contrast groups
+    plain = micro_batch_signals(model, None, p, t, r, opts, remove_padding)
+    for name in SIGNAL_FIELDS:
+        for a, b in zip(out[name], plain[name], strict=True):
+            torch.testing.assert_close(a, b)
+    for i in range(len(prompts)):
+        ref = oracle(model, prompts[i], contrasts[i], responses[i], 0.7)
+        torch.testing.assert_close(out["contrast_kl"][i], ref.kl[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="expected 5 contrast teacher prompts"):
+        micro_batch_signals(model, None, p, t, r, opts, remove_padding, contrast_prompts=c[:2])
+
+
 def test_empty_micro_batch_still_runs_the_forwards(model):
     with count_forwards(model) as calls:
         out = micro_batch_signals(

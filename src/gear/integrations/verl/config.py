@@ -24,7 +24,7 @@ from gear.credit import METHODS, CreditParams
 from gear.credit.params import CONTEXT_FIELDS
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.settings import setting
-from gear.teacher import uses_answer
+from gear.teacher import check_wrong_answers, uses_answer
 
 #: verl estimator name -> gear.credit method, one per registered method: the method's own name
 #: where it starts with "gear", else "gear_" + name (no bare "grpo": verl has its own).
@@ -34,9 +34,6 @@ VERL_ESTIMATORS: dict[str, str] = {
 }
 TRAINER_MODE = "gear_sync"
 TEACHERS = ("current",)  # of gear.teacher.TEACHERS, the ones the verl integration runs
-#: of gear.teacher.TEACHER_CONTEXTS, the ones the verl integration runs ('contrast' needs a second
-#: teacher forward in the worker's pass, not wired yet)
-TEACHER_CONTEXTS = ("worked_solution", "answer_only")
 _DOTTED_PATH = Check(
     test=lambda p: isinstance(p, str) and bool(p.strip(".")),
     expect="a dotted field path such as 'reward_model.ground_truth'",
@@ -66,18 +63,12 @@ class GearVerlConfig:
         "Dotted path of the row field whose value fills the teacher hint's {ground_truth}.",
         _DOTTED_PATH,
     )
-    teacher_context: str = setting(
-        "teacher_context",
-        check=Check(
-            choices=TEACHER_CONTEXTS,
-            expect=f"one of {', '.join(map(repr, TEACHER_CONTEXTS))} ('contrast' runs in the TRL "
-            "integration only for now)",
-        ),
-    )
+    teacher_context: str = setting("teacher_context")
     answer_field: str = checked(
         "reward_model.ground_truth",
         "Dotted path of the row field holding the final answer (verl's reward reference), which "
-        "fills the hint of teacher_context 'answer_only' in place of ground_truth_field.",
+        "fills the hint of the teacher contexts 'answer_only' and 'contrast' in place of "
+        "ground_truth_field.",
         _DOTTED_PATH,
     )
     answer_hint_template: str = setting("answer_hint_template")
@@ -120,7 +111,9 @@ class GearVerlConfig:
         check_fields("gear", self, field_checks(GearVerlConfig), GearConfigError)
 
     def credit_params(self, method: str) -> CreditParams:
-        return CreditParams(method=method, **self.credit)
+        return CreditParams(
+            method=method, **self.credit, contrast=self.teacher_context == "contrast"
+        )
 
     @property
     def hint_field(self) -> str:
@@ -211,7 +204,7 @@ def gear_section(cfg: Any) -> GearVerlConfig:
     return GearVerlConfig(**values)
 
 
-def _train_files(cfg: Any) -> list[str]:
+def train_files(cfg: Any) -> list[str]:
     files = _plain(_get(cfg, "data.train_files"))
     if files is None:
         return []
@@ -315,6 +308,12 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         params = g.credit_params(method)
     except ValueError as e:
         raise GearConfigError(f"gear.credit: {e}") from e
+    if params.contrast and "kl" not in METHODS[method].requires:
+        raise GearConfigError(
+            f"gear.teacher_context: 'contrast' subtracts a second teacher's KL, and "
+            f"algorithm.adv_estimator={estimator!r} reads no KL; use an estimator that does "
+            "(gear, gear_token, gear_departure*, ...) or another context"
+        )
     settings = GearVerlSettings(
         estimator=str(estimator),
         method=method,
@@ -323,8 +322,36 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         norm_adv_by_std=bool(_get(cfg, "algorithm.norm_adv_by_std_in_grpo", True)),
     )
     if check_files and settings.needs_teacher:  # only the teacher hint reads the ground truth
-        check_ground_truth_field(g.hint_field, _train_files(cfg), g.hint_setting)
+        check_ground_truth_field(g.hint_field, train_files(cfg), g.hint_setting)
+        if params.contrast:  # every answer of the local training files gets a wrong one
+            try:
+                check_wrong_answers(answer_values(g.hint_field, train_files(cfg)))
+            except ValueError as e:
+                raise GearConfigError(f"gear.{e}") from e
     return settings
+
+
+def answer_values(field_path: str, files: list[str]) -> list[Any]:
+    """The values at `field_path` of every row of the local parquet `files` (remote files and
+    files without the field: none), e.g. the answers a contrast teacher's wrong answer is drawn
+    from (`gear.teacher.wrong_answers`' pool)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover - pyarrow comes with datasets
+        return []
+    out: list[Any] = []
+    for path in files:
+        local = os.path.expanduser(path)
+        if "://" in path or not path.endswith(".parquet") or not os.path.isfile(local):
+            continue
+        parts = field_path.split(".")
+        if parts[0] not in pq.read_schema(local).names:
+            continue
+        for value in pq.read_table(local, columns=[parts[0]]).column(parts[0]).to_pylist():
+            for part in parts[1:]:
+                value = value.get(part) if isinstance(value, dict) else None
+            out.append(value)
+    return out
 
 
 def default_gear_section() -> dict[str, Any]:

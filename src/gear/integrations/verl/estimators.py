@@ -38,6 +38,10 @@ SIGNAL_FIELDS: dict[str, str] = {
     "student_logprobs": "gear_student_logprobs",
     "teacher_logprobs": "gear_teacher_logprobs",
 }
+#: batch field of the contrast teacher's KL (``teacher_context: contrast``, `CreditParams.contrast`)
+CONTRAST_KL_FIELD = "gear_contrast_kl"
+#: every per-token field GEAR's pass may write: the signals and the contrast KL
+OUTPUT_FIELDS: dict[str, str] = {**SIGNAL_FIELDS, "contrast_kl": CONTRAST_KL_FIELD}
 ESTIMATOR_MARK = "__gear_estimator__"
 
 
@@ -186,7 +190,7 @@ def gear_token_advantages(
         )
 
     signals: dict[str, Tensor | None] = {}
-    for name, key in SIGNAL_FIELDS.items():
+    for name, key in OUTPUT_FIELDS.items():
         value = kwargs.get(key)
         if value is None and ctx is not None:
             value = ctx.signals.get(key)
@@ -196,7 +200,12 @@ def gear_token_advantages(
                 "(the signals must be in the batch's row order and padded to its response length)"
             )
         signals[name] = None if value is None else value.to(mask.device)
-    missing = [SIGNAL_FIELDS[s] for s in METHODS[method].requires if signals.get(s) is None]
+    params = (
+        kwargs.get("gear_params") or (ctx.params if ctx is not None else None) or CreditParams()
+    )
+    params = dataclasses.replace(params, method=method) if params.method != method else params
+    requires = (*METHODS[method].requires, *(("contrast_kl",) if params.contrast else ()))
+    missing = [OUTPUT_FIELDS[s] for s in requires if signals.get(s) is None]
     if missing:
         raise ValueError(
             f"verl advantage estimator {estimator!r} needs the per-token signals {missing}, which "
@@ -215,10 +224,6 @@ def gear_token_advantages(
                 "response_mask: verl's mask has tokens the GEAR signals were not computed for"
             )
 
-    params = (
-        kwargs.get("gear_params") or (ctx.params if ctx is not None else None) or CreditParams()
-    )
-    params = dataclasses.replace(params, method=method) if params.method != method else params
     epsilon = kwargs.get("gear_epsilon", ctx.epsilon if ctx is not None else 1e-4)
     norm = kwargs.get("norm_adv_by_std_in_grpo")
     if norm is None and ctx is not None:
@@ -244,6 +249,7 @@ def gear_token_advantages(
         entropy=signals["entropy"],
         student_logprobs=signals["student_logprobs"],
         teacher_logprobs=signals["teacher_logprobs"],
+        contrast_kl=signals["contrast_kl"],
         params=params,
     )
     adv = details.token_advantages.to(torch.float32)

@@ -78,6 +78,7 @@ def build_teacher_prompts(
     tokenize: Callable[[str], Sequence[int]] | None = None,
     detokenize: Callable[[Sequence[int]], str] | None = None,
     skip: Sequence[bool] | None = None,
+    answers: Callable[[list[Any]], list[Any]] | None = None,
 ) -> TeacherPrompts:
     """Teacher prompt ids for each row (`gear.teacher.build_teacher_prompts` on verl's rows).
 
@@ -90,6 +91,8 @@ def build_teacher_prompts(
         tools_for_row: the tool schemas the rollout showed for this row (None: no tools).
         tokenize / detokenize: plain text <-> ids, to cut an over-long ground truth.
         skip: rows that get the student's prompt unchanged (verl's synthetic padding rows).
+        answers: maps the rows' hint values to the ones shown (the contrast teacher's wrong
+            answers, `gear.teacher.wrong_answers`); None: shown as they are.
     Raises:
         MissingGroundTruthError: a row lacks the field (a value of None is allowed: no hint).
     """
@@ -98,6 +101,8 @@ def build_teacher_prompts(
         None if skipped[i] else get_field(row, cfg.hint_field, cfg.hint_setting)
         for i, row in enumerate(rows)
     ]
+    if answers is not None:
+        truths = answers(truths)
     tools = [None if skipped[i] else tools_for_row(row) for i, row in enumerate(rows)]
     templates = [
         context_hint_template(

@@ -42,6 +42,8 @@ class TeacherPassOptions:
 
     teacher: whether a teacher forward runs (rows carry teacher prompts); False for methods
         that read the student's signals only (``gear_entropy_top``).
+    contrast: whether a second teacher forward runs on the contrast teacher's prompts (a wrong
+        answer; ``teacher_context: contrast``), giving ``contrast_kl``.
     temperature: the sampling temperature; the model's own logit conventions (logit scale,
         final-logit softcap: `gear.modeling.LogitConventions`) come from its config.
 
@@ -51,6 +53,7 @@ class TeacherPassOptions:
     """
 
     teacher: bool = True
+    contrast: bool = False
     temperature: float = 1.0
     estimator: str = "full"
     topk: int = 64
@@ -315,6 +318,7 @@ def micro_batch_signals(
     device: torch.device | str = "cpu",
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     sync: Callable[[int], int] = lambda n: n,
+    contrast_prompts: Sequence[Tensor] | None = None,
 ) -> dict[str, list[Tensor]]:
     """Signals of one micro-batch of rows, each a list of (R_i,) float32 tensors on CPU.
 
@@ -329,9 +333,12 @@ def micro_batch_signals(
         autocast: the context verl's forward runs under (mixed precision).
         sync: n -> the number of teacher forwards to run, >= n (the largest n over the
             data-parallel ranks); the extra forwards are one-token dummies.
+        contrast_prompts: per row, the contrast teacher's prompt ids (a wrong answer), or None:
+            a second teacher pass like the first, of which only the KL is kept.
     Returns:
-        {"kl", "entropy", "student_logprobs", "teacher_logprobs"} -> list of (R_i,) tensors;
-        {"entropy", "student_logprobs"} without teacher prompts.
+        {"kl", "entropy", "student_logprobs", "teacher_logprobs"} -> list of (R_i,) tensors,
+        plus "contrast_kl" given contrast prompts; {"entropy", "student_logprobs"} without
+        teacher prompts.
     """
     n = len(responses)
     n_teacher = n if teacher_prompts is None else len(teacher_prompts)
@@ -341,7 +348,6 @@ def micro_batch_signals(
             f"{len(prompts)}, {n_teacher}, {n}"
         )
     r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
-    offsets = torch.cumsum(r_len, 0) - r_len
     if student_hidden is None:
         if n:
             student_seqs = [
@@ -364,6 +370,52 @@ def micro_batch_signals(
             key: [piece.clone() for piece in values.split(r_len.tolist())]
             for key, values in sig.items()
         }
+    out = _teacher_rows(
+        module,
+        teacher_prompts,
+        responses,
+        student_hidden,
+        options,
+        remove_padding,
+        device,
+        autocast,
+        sync,
+    )
+    if contrast_prompts is not None:
+        if len(contrast_prompts) != n:
+            raise ValueError(
+                f"teacher pass: expected {n} contrast teacher prompts, got {len(contrast_prompts)}"
+            )
+        out["contrast_kl"] = _teacher_rows(
+            module,
+            contrast_prompts,
+            responses,
+            student_hidden,
+            options,
+            remove_padding,
+            device,
+            autocast,
+            sync,
+        )["kl"]
+    return out
+
+
+def _teacher_rows(
+    module: nn.Module,
+    teacher_prompts: Sequence[Tensor],
+    responses: Sequence[Tensor],
+    student_hidden: Tensor,
+    options: TeacherPassOptions,
+    remove_padding: bool,
+    device: torch.device | str,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    sync: Callable[[int], int],
+) -> dict[str, list[Tensor]]:
+    """The teacher forwards of `micro_batch_signals` (groups of rows, ranks kept in step) and
+    each row's signals against the student's."""
+    n = len(responses)
+    r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+    offsets = torch.cumsum(r_len, 0) - r_len
     teacher_seqs = [
         torch.cat([tp.long(), r.long()]) for tp, r in zip(teacher_prompts, responses, strict=True)
     ]

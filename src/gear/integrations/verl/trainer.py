@@ -14,7 +14,9 @@ are unchanged) with four small, documented overrides:
   workers capture the final hidden states of verl's own student forwards and run one teacher
   forward per micro-batch (rollout correction's bypass mode, where verl runs no forward:
   ``compute_gear_signals``, one student forward of GEAR's). The signals land in the batch as
-  ``gear_kl``, ``gear_entropy``, ``gear_student_logprobs``, ``gear_teacher_logprobs``.
+  ``gear_kl``, ``gear_entropy``, ``gear_student_logprobs``, ``gear_teacher_logprobs``. With
+  ``gear.teacher_context: contrast`` each row also gets a prompt showing a wrong answer, a second
+  teacher forward runs on it, and its KL lands as ``gear_contrast_kl``.
 - ``_compute_advantage``: opens a `gear_batch` context with those signals (padded exactly like
   the batch verl builds) around verl's own ``_compute_advantage``, whose estimator call then finds
   them (rows without a hint, marked by ``gear_has_hint``, get NaN teacher signals: weight 1,
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,13 +49,21 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from gear.credit.signals import without_teacher
-from gear.integrations.verl.config import TRAINER_MODE, validate_verl_config
-from gear.integrations.verl.estimators import SIGNAL_FIELDS, GearBatch, gear_batch
+from gear.integrations.verl.config import (
+    TRAINER_MODE,
+    answer_values,
+    train_files,
+    validate_verl_config,
+)
+from gear.integrations.verl.estimators import OUTPUT_FIELDS, SIGNAL_FIELDS, GearBatch, gear_batch
 from gear.integrations.verl.teacher_inputs import TOOL_AGENT, as_messages, build_teacher_prompts
 from gear.integrations.verl.teacher_pass import FUSED_KEY, _rows, nested
+from gear.teacher import check_wrong_answers, offset_answer, wrong_answers
 
 logger = logging.getLogger(__name__)
 TEACHER_PROMPTS_FIELD = "gear_teacher_prompts"
+#: the contrast teacher's prompts (a wrong answer), with teacher_context: contrast only
+CONTRAST_PROMPTS_FIELD = "gear_contrast_prompts"
 #: (N,) bool, False for rows whose teacher prompt has no hint (no ground truth, or padding)
 HAS_HINT_FIELD = "gear_has_hint"
 #: what GEAR's own student + teacher pass reads (verl's bypass mode)
@@ -115,6 +126,13 @@ class GearPPOTrainer(PPOTrainerSync):
         self._gear_render: Any = None
         self._gear_tool_schemas: dict[str, dict] | None = None
         self._gear_next_record_step = 0
+        # teacher_context: contrast: the training files' answers, a wrong answer's pool
+        g = self.gear_settings.gear
+        self._gear_answer_pool = (
+            check_wrong_answers(answer_values(g.hint_field, train_files(config)))
+            if self.gear_settings.params.contrast
+            else []
+        )
         super().__init__(config)
 
     # --------------------------------------------------------------------- setup overrides
@@ -152,9 +170,11 @@ class GearPPOTrainer(PPOTrainerSync):
         if rollout_corr and rollout_corr.get("bypass_mode", False):
             # verl runs no old-log-prob forward: GEAR runs one student forward of its own
             batch = super()._compute_old_log_prob(batch, metrics)
+            contrast = self.gear_settings.params.contrast
             meta = dataclasses.replace(
                 batch,
-                fields=[f for f in GEAR_INPUT_FIELDS if teacher or f != TEACHER_PROMPTS_FIELD],
+                fields=[f for f in GEAR_INPUT_FIELDS if teacher or f != TEACHER_PROMPTS_FIELD]
+                + ([CONTRAST_PROMPTS_FIELD] if contrast else []),
                 extra_info={**(batch.extra_info or {}), **options},
             )
             self.actor_rollout_wg.compute_gear_signals(meta)
@@ -281,16 +301,32 @@ class GearPPOTrainer(PPOTrainerSync):
             skip=skip,
         )
         teacher = nested([torch.tensor(ids, dtype=torch.long) for ids in built.ids])
+        fields = {
+            TEACHER_PROMPTS_FIELD: teacher,
+            HAS_HINT_FIELD: torch.tensor(built.has_hint, dtype=torch.bool),
+        }
+        if self.gear_settings.params.contrast:  # the same rows, shown a wrong answer
+            rng = random.Random(f"{g.credit.get('seed', 0)}:{getattr(self, 'global_steps', 0)}")
+            contrast = build_teacher_prompts(
+                rows,
+                prompts,
+                g,
+                self._gear_renderer(),
+                tools_for_row=self._tools_for_row,
+                tokenize=lambda s: tok(s, add_special_tokens=False)["input_ids"],
+                detokenize=lambda ids: tok.decode(ids),
+                skip=skip,
+                answers=lambda truths: wrong_answers(
+                    truths, rng, offset_answer, self._gear_answer_pool
+                ),
+            )
+            fields[CONTRAST_PROMPTS_FIELD] = nested(
+                [torch.tensor(ids, dtype=torch.long) for ids in contrast.ids]
+            )
         tq.kv_batch_put(
             keys=batch.keys,
             partition_id=batch.partition_id,
-            fields=TensorDict(
-                {
-                    TEACHER_PROMPTS_FIELD: teacher,
-                    HAS_HINT_FIELD: torch.tensor(built.has_hint, dtype=torch.bool),
-                },
-                batch_size=[len(batch.keys)],
-            ),
+            fields=TensorDict(fields, batch_size=[len(batch.keys)]),
         )
         metrics.update(
             {
@@ -308,6 +344,7 @@ class GearPPOTrainer(PPOTrainerSync):
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return {
             "gear_teacher": teacher,
+            "gear_contrast": bool(teacher and self.gear_settings.params.contrast),
             "gear_temperature": float(self.config.actor_rollout_ref.rollout.temperature),
             "gear_estimator": g.kl_estimator,
             "gear_topk": g.kl_topk,
@@ -321,7 +358,9 @@ class GearPPOTrainer(PPOTrainerSync):
     def _gear_context(self, batch: Any) -> GearBatch:
         s = self.gear_settings
         required = self._required_signals()
-        needed = [SIGNAL_FIELDS[name] for name in required]
+        if s.params.contrast:
+            required = (*required, "contrast_kl")
+        needed = [OUTPUT_FIELDS[name] for name in required]
         data = tq.kv_batch_get(
             keys=batch.keys,
             partition_id=batch.partition_id,
@@ -332,7 +371,7 @@ class GearPPOTrainer(PPOTrainerSync):
             ],
         )
         padded = data.to_padded_tensor()  # the same padding verl applies to the batch it builds
-        signals = {name: padded[SIGNAL_FIELDS[name]].float() for name in required}
+        signals = {name: padded[OUTPUT_FIELDS[name]].float() for name in required}
         if (
             s.needs_teacher
         ):  # spec §4: a real row without a hint has no teacher -> weight 1, counted
@@ -343,7 +382,7 @@ class GearPPOTrainer(PPOTrainerSync):
             signals = without_teacher(signals, has_teacher.to(padded["response_mask"].device))
         sessions, final = session_info(list(batch.keys))
         return GearBatch(
-            signals={SIGNAL_FIELDS[name]: v for name, v in signals.items()},
+            signals={OUTPUT_FIELDS[name]: v for name, v in signals.items()},
             response_mask=padded["response_mask"].bool(),
             params=self._batch_credit_params(),
             epsilon=s.gear.grpo_epsilon,

@@ -13,6 +13,10 @@ on every data-parallel rank) with GEAR's step hooked into each micro-batch:
 - ``compute_gear_signals``: where verl runs no old-log-prob forward (rollout correction's bypass
   mode), one student forward of ours per micro-batch, then the teacher forward.
 
+With ``gear_contrast=True`` (``teacher_context: contrast``) the rows also carry
+``gear_contrast_prompts`` (each row's prompt with a wrong answer) and a second group of teacher
+forwards follows the first in each micro-batch; its KL lands as ``gear_contrast_kl``.
+
 A method that reads no teacher signal (``gear_entropy_top``) sends ``gear_teacher=False`` and no
 teacher prompts: no teacher forward runs, and only ``gear_entropy`` and ``gear_student_logprobs``
 are written.
@@ -36,7 +40,7 @@ import torch
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, _with_routing_replay_flag
 
-from gear.integrations.verl.estimators import SIGNAL_FIELDS
+from gear.integrations.verl.estimators import OUTPUT_FIELDS
 from gear.integrations.verl.teacher_pass import (
     FUSED_KEY,
     TeacherPassOptions,
@@ -48,6 +52,7 @@ from gear.integrations.verl.teacher_pass import (
 #: batch key (non-tensor) -> TeacherPassOptions field
 OPTION_KEYS = {
     "teacher": "gear_teacher",
+    "contrast": "gear_contrast",
     "temperature": "gear_temperature",
     "estimator": "gear_estimator",
     "topk": "gear_topk",
@@ -57,6 +62,7 @@ OPTION_KEYS = {
 }
 INPUT_FIELDS = ("input_ids", "prompts", "responses")
 TEACHER_FIELD = "gear_teacher_prompts"  # with options.teacher only
+CONTRAST_FIELD = "gear_contrast_prompts"  # with options.contrast only
 
 
 def _get(data: Any, key: str, default: Any = None) -> Any:
@@ -71,6 +77,7 @@ def options_from(data: Any, max_token_len: int | None = None) -> TeacherPassOpti
     values = {name: _get(data, key, getattr(defaults, name)) for name, key in OPTION_KEYS.items()}
     return TeacherPassOptions(
         teacher=bool(values["teacher"]),
+        contrast=bool(values["contrast"]),
         temperature=float(values["temperature"]),
         estimator=str(values["estimator"]),
         topk=int(values["topk"]),
@@ -81,8 +88,13 @@ def options_from(data: Any, max_token_len: int | None = None) -> TeacherPassOpti
     )
 
 
-def _check_inputs(data: Any, teacher: bool) -> None:
-    missing = [k for k in (*INPUT_FIELDS, *([TEACHER_FIELD] if teacher else [])) if k not in data]
+def _check_inputs(data: Any, teacher: bool, contrast: bool = False) -> None:
+    needed = (
+        *INPUT_FIELDS,
+        *([TEACHER_FIELD] if teacher else []),
+        *([CONTRAST_FIELD] if contrast else []),
+    )
+    missing = [k for k in needed if k not in data]
     if missing:
         raise KeyError(
             f"GEAR teacher pass: the batch lacks {missing}; fields present: {sorted(data.keys())}"
@@ -142,6 +154,7 @@ def gear_micro_batches(
         ids = micro_batch["input_ids"]
         seqs, responses = _rows(ids), _rows(micro_batch["responses"])
         teacher_prompts = _rows(micro_batch[TEACHER_FIELD]) if options.teacher else None
+        contrast_prompts = _rows(micro_batch[CONTRAST_FIELD]) if options.contrast else None
         r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
         prompts = [s[: s.numel() - r.numel()] for s, r in zip(seqs, responses, strict=True)]
         if student_from_verl:
@@ -175,10 +188,11 @@ def gear_micro_batches(
             device=get_device_id(),
             autocast=autocast,
             sync=sync,
+            contrast_prompts=contrast_prompts,
         )
         if responses:
             for name, values in signals.items():  # without a teacher: entropy, log-probs
-                output["model_output"][SIGNAL_FIELDS[name]] = nested(values)
+                output["model_output"][OUTPUT_FIELDS[name]] = nested(values)
         return loss, output
 
     engine.forward_step = forward_step  # an instance attribute shadows the class's method
@@ -192,7 +206,7 @@ def gear_infer(training_worker: Any, data: Any, student_from_verl: bool) -> Any:
     """verl's `TrainingWorker.infer_batch` with GEAR's step in every micro-batch."""
     engine = training_worker.engine
     options = options_from(data, _max_tokens_of(training_worker, data))
-    _check_inputs(data, options.teacher)
+    _check_inputs(data, options.teacher, options.contrast)
     with gear_micro_batches(engine, options, student_from_verl):
         return training_worker.infer_batch(data)
 
@@ -232,4 +246,4 @@ class GearActorRolloutRefWorker(ActorRolloutRefWorker):
         output = gear_infer(self.actor, data, student_from_verl=False)
         if output is None:
             return None
-        return output.select(*(k for k in SIGNAL_FIELDS.values() if k in output)).cpu()
+        return output.select(*(k for k in OUTPUT_FIELDS.values() if k in output)).cpu()
