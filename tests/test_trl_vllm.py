@@ -192,8 +192,8 @@ def test_vllm_colocate_signals_equal_a_student_forward_and_training_changes_para
         sources.append(real_plan(need))
         return sources[-1]
 
-    def spy(output, teacher, valid, mode, stats):
-        signals = real_token_signals(output, teacher, valid, mode, stats)
+    def spy(output, teacher, valid, mode, stats, contrast=None):
+        signals = real_token_signals(output, teacher, valid, mode, stats, contrast)
         # vLLM sampled the batch with the trainer's weights (pushed before it, in bfloat16)
         _assert_vllm_has_the_policy_weights(trainer)
         naive = _naive_signals(trainer, output, teacher)

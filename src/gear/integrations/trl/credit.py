@@ -8,6 +8,7 @@ as in one process; each process keeps its own rows.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -18,6 +19,14 @@ from gear.credit.signals import TEACHER_SIGNALS, without_teacher
 SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
 
 
+@dataclass
+class ContrastSignals(TokenSignals):
+    """`TokenSignals` plus `contrast_kl`, the (N, T) KL to the contrast teacher (a wrong answer;
+    `teacher_context='contrast'`), which `batch_credit` hands to the credit core."""
+
+    contrast_kl: Tensor | None = None
+
+
 def batch_credit(
     accelerator: Any,
     advantages: Tensor,
@@ -25,21 +34,20 @@ def batch_credit(
     turn_starts: Tensor | None,
     signals: TokenSignals | None,
     params: CreditParams,
-    contrast_kl: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
     Args:
         advantages: (B,) this process's sequence advantages.
         valid: (B, T) bool policy tokens; turn_starts: (B, T) bool or None.
-        signals: this process's (B, T) signals, or None when the method needs none.
-        contrast_kl: (B, T) KL to the contrast teacher (`params.contrast`), or None.
+        signals: this process's (B, T) signals, or None when the method needs none; a
+            `ContrastSignals` also gives the contrast teacher's KL (`params.contrast`).
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
         "turn_starts": turn_starts,
         **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
-        "contrast_kl": contrast_kl,
+        "contrast_kl": getattr(signals, "contrast_kl", None),
     }
     world = accelerator.num_processes
     B, T = valid.shape

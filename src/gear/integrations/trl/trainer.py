@@ -30,7 +30,7 @@ from gear.credit import CreditDetails, CreditParams, TokenSignals
 from gear.credit.methods import METHODS
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
-from gear.integrations.trl.credit import batch_credit, without_unhinted_rows
+from gear.integrations.trl.credit import ContrastSignals, batch_credit, without_unhinted_rows
 from gear.integrations.trl.forwards import Forwards, eval_mode
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
@@ -296,7 +296,7 @@ class GEARTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
 
         stats: dict[str, float] = {}
-        signals = credit_signals = contrast_kl = None
+        signals = credit_signals = None
         valid, turn_starts = _response_mask(output)
         teacher = contrast = None
         if self._needs_teacher:
@@ -315,16 +315,14 @@ class GEARTrainer(GRPOTrainer):
                 log_stats(self.accelerator, self._metrics[mode], stats)
                 return output
         if self._needs_signals:
-            signals, contrast_kl = self._token_signals(
-                output, teacher, valid, mode, stats, contrast
-            )
+            signals = self._token_signals(output, teacher, valid, mode, stats, contrast)
             credit_signals = (
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
-        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals, contrast_kl)
+        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
         log_stats(self.accelerator, self._metrics[mode], stats)
@@ -376,12 +374,13 @@ class GEARTrainer(GRPOTrainer):
         mode: str,
         stats: dict[str, float],
         contrast: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[TokenSignals, Tensor | None]:
+    ) -> TokenSignals:
         """One student pass (or the states of generation or of TRL's pass, captured) and, given
         `teacher` = (ids, mask, has_hint), one teacher pass (eval mode, like the student's);
         then the chunked signals at the (B, T) `valid` policy tokens. Given `contrast` = (ids,
         mask) of the contrast teacher (a wrong answer), one more teacher pass and its (B, T) KL
-        by the same kernel (`gear/time_contrast`: that pass and its signals), else None."""
+        by the same kernel, returned as `ContrastSignals.contrast_kl` (`gear/time_contrast`:
+        that pass and its signals)."""
         completion_ids = output["completion_ids"]
         n_keep = completion_ids.size(1)
         batch_size = (
@@ -412,7 +411,6 @@ class GEARTrainer(GRPOTrainer):
         signals = self._signals(student_hidden, teacher_hidden, completion_ids, mask=valid)
         stats["gear/time_student"] = t1 - t0 if forward else 0.0
         stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
-        contrast_kl = None
         if contrast is not None:
             t3 = time.perf_counter()
             with eval_mode(self.accelerator.unwrap_model(self._teacher())):
@@ -422,8 +420,9 @@ class GEARTrainer(GRPOTrainer):
             contrast_kl = self._signals(
                 student_hidden, contrast_hidden, completion_ids, mask=valid
             ).kl
+            signals = ContrastSignals(**vars(signals), contrast_kl=contrast_kl)
             stats["gear/time_contrast"] = time.perf_counter() - t3
-        return signals, contrast_kl
+        return signals
 
     def _credit(
         self,
@@ -431,17 +430,10 @@ class GEARTrainer(GRPOTrainer):
         valid: Tensor,
         turn_starts: Tensor | None,
         signals: TokenSignals | None,
-        contrast_kl: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
         return batch_credit(
-            self.accelerator,
-            advantages,
-            valid,
-            turn_starts,
-            signals,
-            self._batch_credit_params(),
-            contrast_kl=contrast_kl,
+            self.accelerator, advantages, valid, turn_starts, signals, self._batch_credit_params()
         )
 
     def _teacher(self) -> nn.Module:
