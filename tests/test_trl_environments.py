@@ -160,6 +160,44 @@ def test_environment_owned_data(tmp_path, monkeypatch):
     assert_weights_follow_kl(seen, hinted)
 
 
+class ArithmeticWithAnswer(Arithmetic):
+    """Also sets the episode's final answer, for the answer teacher contexts."""
+
+    answer: str | None = None
+
+    def reset(self, **kwargs):
+        prompt = super().reset(**kwargs)
+        self.answer = str(self.a + self.b)
+        return prompt
+
+
+@pytest.mark.parametrize("context", ["answer_only", "contrast"])
+def test_an_environment_supplies_the_answer_of_the_answer_contexts(tmp_path, monkeypatch, context):
+    """teacher_context 'answer_only' / 'contrast' read the environment's attribute named
+    `answer_column`; contrast's second teacher is shown a wrong answer in the same template."""
+    trainer = env_trainer(tmp_path, ArithmeticWithAnswer, teacher_context=context)
+    seen = spy(monkeypatch, trainer)
+    logs = train_one_step(trainer)
+    texts, answers, hinted = seen["teacher"][0]
+    assert len(texts) == 4 and all(hinted)
+    for text, answer in zip(texts, answers, strict=True):
+        a, b = sum_of(text)
+        assert answer == str(a + b)
+        assert f"The final answer is {a + b}." in text and "reference solution" not in text
+    assert ("gear/time_contrast" in logs[0]) == (context == "contrast")
+    if context == "contrast":
+        texts, wrong, _ = seen["teacher"][1]
+        for text, w, answer in zip(texts, wrong, answers, strict=True):
+            assert w != answer and f"The final answer is {w}." in text
+
+
+def test_an_answer_context_without_the_answer_attribute_fails_at_start_up(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"answer_column \(teacher_context='answer_only'\): no episode can have"
+    ):
+        env_trainer(tmp_path, Arithmetic, teacher_context="answer_only")
+
+
 class Counter:
     """TRL's counter environment (`reset()` returns None: the prompt stays TRL's placeholder),
     with the episode's reference call as its ground truth."""
