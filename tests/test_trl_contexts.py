@@ -213,3 +213,62 @@ def test_a_wrong_answer_hook_is_refused_without_contrast(tmp_path, tok):
         ValueError, match=r"wrong_answer: only used with teacher_context='contrast'"
     ):
         make_trainer(tmp_path, tok, wrong_answer=_plus_100)
+
+
+class TwoRanks:
+    """An accelerator of rank `index` among two: `gather` puts this rank's tensor next to the
+    other rank's (taken, in call order, from `other`), `pad_across_processes` pads to the longer."""
+
+    num_processes = 2
+
+    def __init__(self, index, other):
+        self.process_index, self.other = index, list(other)
+
+    def pad_across_processes(self, v, dim, pad_index):
+        width = max(v.size(1), self.other[0].size(1))
+        return torch.nn.functional.pad(v, (0, width - v.size(1)), value=pad_index)
+
+    def gather(self, v):
+        theirs = self.other.pop(0).to(v.dtype)
+        if v.dim() == 2:
+            theirs = torch.nn.functional.pad(theirs, (0, v.size(1) - theirs.size(1)))
+        return torch.cat([v, theirs] if self.process_index == 0 else [theirs, v])
+
+
+def test_the_contrast_kl_is_gathered_with_the_other_signals_across_processes():
+    """With two processes each one's rows are credited on the whole generation batch: the
+    contrast KL travels with the signals (`ContrastSignals`) and is gathered like them."""
+    from gear.integrations.trl.credit import ContrastSignals, batch_credit
+
+    g = torch.Generator().manual_seed(0)
+    names = ("kl", "entropy", "contrast_kl")
+
+    def rank(T):  # (advantages, valid, signals) of one process's 3 rows
+        signals = {k: torch.rand(3, T, generator=g) for k in names}
+        return torch.tensor([1.0, -1.0, 0.5]), torch.rand(3, T, generator=g) > 0.2, signals
+
+    def wide(x):  # padded to the longer process's 6 tokens
+        return torch.nn.functional.pad(x, (0, 6 - x.size(1)))
+
+    ranks = [rank(4), rank(6)]
+    params = CreditParams(contrast=True)
+    whole = credit_details(
+        torch.cat([r[0] for r in ranks]),
+        torch.cat([wide(r[1]) for r in ranks]),
+        **{k: torch.cat([wide(r[2][k]) for r in ranks]) for k in names},
+        params=params,
+    )
+    for i, (adv, valid, sig) in enumerate(ranks):
+        theirs_adv, theirs_valid, theirs = ranks[1 - i]
+        # what batch_credit gathers, in its order: advantages, valid, kl, entropy, contrast_kl
+        other = [theirs_adv, theirs_valid.float(), *(theirs[k] for k in names)]
+        signals = ContrastSignals(sig["kl"], sig["entropy"], None, None, sig["contrast_kl"])
+        got = batch_credit(TwoRanks(i, other), adv, valid, None, signals, params)
+        want = whole.token_advantages[3 * i : 3 * i + 3, : valid.size(1)]
+        torch.testing.assert_close(got.token_advantages, want)
+    without = credit_details(
+        torch.cat([r[0] for r in ranks]),
+        torch.cat([wide(r[1]) for r in ranks]),
+        **{k: torch.cat([wide(r[2][k]) for r in ranks]) for k in names[:2]},
+    )
+    assert not torch.allclose(whole.token_advantages, without.token_advantages)
