@@ -103,3 +103,18 @@ def test_summary_says_whether_the_run_learned():
     assert "got worse" in learning_lines(before, down)[0]
     assert "no change" in learning_lines(before, up)[1]  # greedy: identical
     assert learning_lines(before, None) == []
+
+
+@pytest.mark.parametrize("context", ["answer_only", "contrast"])
+def test_gear_train_runs_each_teacher_context(tiny_dir, tmp_path, context):
+    """`--set teacher_context=...` through gear train (issue 36): the contrast teacher's wrong
+    answer comes from the task's hook."""
+    out = tmp_path / "run"
+    train(
+        "--model", str(tiny_dir), "--steps", "1", "--output-dir", str(out), *tiny_run_args(),
+        "--set", "eval_n=0", "--set", f"teacher_context={context}",
+    )  # fmt: skip
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["trainer"]["teacher_context"] == context
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert ("gear/time_contrast" in metrics[0]) == (context == "contrast")

@@ -772,6 +772,8 @@ def build_trainer(
         processing_class=tokenizer,
         callbacks=callbacks,
         peft_config=peft_config,
+        # the contrast teacher is shown a wrong answer: the task says which (Task.wrong_answer)
+        **({"wrong_answer": task.wrong_answer} if args.teacher_context == "contrast" else {}),
         **task.trainer_kwargs(),
     )
     atomic_checkpoints(trainer)
