@@ -251,7 +251,9 @@ def test_prefix_shared_forward_runs_shared_under_a_peft_lora_adapter(llama, recw
     import copy
 
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False
+    )
     model = peft.get_peft_model(copy.deepcopy(llama), config)  # random B: the adapter acts
     ids, mask, _, T = batch(llama.config.vocab_size)
     with torch.no_grad():

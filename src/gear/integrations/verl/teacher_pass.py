@@ -370,33 +370,20 @@ def micro_batch_signals(
             key: [piece.clone() for piece in values.split(r_len.tolist())]
             for key, values in sig.items()
         }
-    out = _teacher_rows(
-        module,
-        teacher_prompts,
-        responses,
-        student_hidden,
-        options,
-        remove_padding,
-        device,
-        autocast,
-        sync,
-    )
+
+    def rows_of(prompts: Any) -> dict[str, Any]:  # the same pass for either teacher's prompts
+        return _teacher_rows(
+            module, prompts, responses, student_hidden, options, remove_padding, device,
+            autocast, sync,
+        )  # fmt: skip
+
+    out = rows_of(teacher_prompts)
     if contrast_prompts is not None:
         if len(contrast_prompts) != n:
             raise ValueError(
                 f"teacher pass: expected {n} contrast teacher prompts, got {len(contrast_prompts)}"
             )
-        out["contrast_kl"] = _teacher_rows(
-            module,
-            contrast_prompts,
-            responses,
-            student_hidden,
-            options,
-            remove_padding,
-            device,
-            autocast,
-            sync,
-        )["kl"]
+        out["contrast_kl"] = rows_of(contrast_prompts)["kl"]
     return out
 
 

@@ -31,6 +31,7 @@ the mask, as spec §1-2 say.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -290,7 +291,8 @@ class GearPPOTrainer(PPOTrainerSync):
         prompts = [p.tolist() for p in _rows(data["prompts"])]
         skip = [bool(tag.get("is_padding", False)) for tag in batch.tags] if batch.tags else None
         tok = self.tokenizer
-        built = build_teacher_prompts(
+        build = functools.partial(  # the right-hint teacher's prompts; the contrast's below
+            build_teacher_prompts,
             rows,
             prompts,
             g,
@@ -300,6 +302,7 @@ class GearPPOTrainer(PPOTrainerSync):
             detokenize=lambda ids: tok.decode(ids),
             skip=skip,
         )
+        built = build()
         teacher = nested([torch.tensor(ids, dtype=torch.long) for ids in built.ids])
         fields = {
             TEACHER_PROMPTS_FIELD: teacher,
@@ -307,18 +310,10 @@ class GearPPOTrainer(PPOTrainerSync):
         }
         if self.gear_settings.params.contrast:  # the same rows, shown a wrong answer
             rng = random.Random(f"{g.credit.get('seed', 0)}:{getattr(self, 'global_steps', 0)}")
-            contrast = build_teacher_prompts(
-                rows,
-                prompts,
-                g,
-                self._gear_renderer(),
-                tools_for_row=self._tools_for_row,
-                tokenize=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-                detokenize=lambda ids: tok.decode(ids),
-                skip=skip,
+            contrast = build(
                 answers=lambda truths: wrong_answers(
                     truths, rng, offset_answer, self._gear_answer_pool
-                ),
+                )
             )
             fields[CONTRAST_PROMPTS_FIELD] = nested(
                 [torch.tensor(ids, dtype=torch.long) for ids in contrast.ids]
