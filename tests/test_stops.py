@@ -19,9 +19,10 @@ import pytest
 from gear.run_callbacks import STAGING, _publish, last_checkpoint, read_metrics
 from gear.testing import save_tiny_model, tiny_run_args
 
-# what a complete HF checkpoint holds (trainer_state.json is written last but one)
+# what a complete HF checkpoint of gear train's default (a LoRA run) holds (trainer_state.json
+# is written last but one)
 CHECKPOINT_FILES = {
-    "model.safetensors",
+    "adapter_model.safetensors",
     "optimizer.pt",
     "scheduler.pt",
     "rng_state.pth",
