@@ -19,10 +19,9 @@ import pytest
 from gear.run_callbacks import STAGING, _publish, last_checkpoint, read_metrics
 from gear.testing import save_tiny_model, tiny_run_args
 
-# what a complete HF checkpoint of gear train's default (a LoRA run) holds (trainer_state.json
-# is written last but one)
+# what a complete HF checkpoint holds besides its weights (trainer_state.json is written last but
+# one); the weights are the model's, or a LoRA run's adapter (gear train's default)
 CHECKPOINT_FILES = {
-    "adapter_model.safetensors",
     "optimizer.pt",
     "scheduler.pt",
     "rng_state.pth",
@@ -111,7 +110,10 @@ SLOW_EVAL = {"eval_n": 64, "eval_batch_size": 1, "eval_max_new_tokens": 16}
 
 
 def assert_complete(checkpoint: Path) -> None:
-    missing = CHECKPOINT_FILES - {p.name for p in checkpoint.iterdir()}
+    names = {p.name for p in checkpoint.iterdir()}
+    missing = CHECKPOINT_FILES - names
+    if not names & {"model.safetensors", "adapter_model.safetensors"}:
+        missing.add("model.safetensors or adapter_model.safetensors")
     assert not missing, f"{checkpoint} is missing {sorted(missing)}"
 
 
