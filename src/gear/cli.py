@@ -27,8 +27,9 @@ from rich.table import Table
 # Optional packages that transformers, accelerate, TRL and PEFT import merely because they are
 # installed, for features `gear train` and `gear compare` do not have: bitsandbytes (PEFT and
 # TRL's vLLM module; on an AVX512-BF16 CPU its import warns "Failed to load CPU
-# gemm_4bit_forward from kernels-community"; LoRA runs do not need it) and DeepSpeed (accelerate imports it to unwrap models; its accelerator
-# probe warns "Setting accelerator to CPU"). Those commands run without them: seconds of
+# gemm_4bit_forward from kernels-community"; LoRA runs do not need it) and DeepSpeed
+# (accelerate imports it to unwrap models; its accelerator probe warns "Setting accelerator to
+# CPU"). Those commands run without them: seconds of
 # imports and two warnings about features the run does not use spared. DeepSpeed stays
 # importable when a run may use it (the word in the command line or its config files, or
 # `accelerate launch --use_deepspeed`).

@@ -853,10 +853,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         precision=f"{precision.name} ({precision.capability})",
     )
     if cfg.eval_n and "eval_before" not in summary:
-        summary["eval_before"] = cached_eval_before(cfg, console) or evaluate_now(
-            model, tokenizer, task, cfg, console, "before training"
-        )
-        store_eval_before(cfg, summary["eval_before"])
+        summary["eval_before"] = cached_eval_before(cfg, console)
+        if summary["eval_before"] is None:  # computed here: kept for later runs
+            summary["eval_before"] = evaluate_now(
+                model, tokenizer, task, cfg, console, "before training"
+            )
+            store_eval_before(cfg, summary["eval_before"])
         write_summary(run_dir, summary)
 
     callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console)]
