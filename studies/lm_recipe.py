@@ -10,11 +10,14 @@ Stages (the rule is written in docs/evidence/lm_recipe.md before any of their ru
 - `sweep`: each setting of `SETTINGS`, GRPO, sweep seed 100 (not a gate seed).
 - `gate`: GRPO on the chosen setting, seeds 0..7; `gear.evidence.learning_gate` decides.
 - `main`: `gear train` as shipped (the default recipe: the paper's GEAR), seeds 0..4.
+- `control`: the positive control: supervised fine-tuning on the worked solutions with the
+  gate's LoRA and learning rate, scored by the same evaluation; it must show a gain.
 - `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
 
     python studies/lm_recipe.py sweep --workers 2
     python studies/lm_recipe.py gate --setting chosen --workers 2   # the rule's choice
     python studies/lm_recipe.py main --workers 2
+    python studies/lm_recipe.py control --setting lora16_lr5e-4
     python studies/lm_recipe.py report --setting lora16_lr5e-4
 """
 
@@ -174,6 +177,84 @@ def run_all(jobs: list[tuple[str, str, str, int]], workers: int) -> list[dict]:
         return list(pool.map(go, jobs))
 
 
+# ------------------------------------------------------------------------------ control
+
+
+def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
+    """The positive control: LoRA SFT on training problems' worked solutions (the answer
+    itself), `max_steps` steps of `per_device_train_batch_size` rows at the setting's learning
+    rate, then the gate's held-out evaluation. An evaluation that cannot see this gain could
+    not see GRPO's either. Kept as `control-<setting>-sft-seed<seed>.json`."""
+    import torch
+    from peft import get_peft_model
+
+    from gear.models import load_model_and_tokenizer
+    from gear.run import cached_eval_before, lora_config, resolve_config
+    from gear.run_callbacks import evaluate_now
+    from gear.tasks import get_task
+
+    name = run_name("control", setting, "sft", seed)
+    if (RECORDS / f"{name}.json").is_file():
+        return json.loads((RECORDS / f"{name}.json").read_text())
+    torch.set_num_threads(threads)
+    t0 = time.time()
+    cfg = resolve_config(None, settings_of("gate", setting, "grpo"))
+    torch.manual_seed(seed)
+    model, tok = load_model_and_tokenizer(cfg.model)
+    task = get_task(cfg.task, **cfg.task_options)
+    tok = task.prepare_tokenizer(tok)
+    model = get_peft_model(model, lora_config(cfg))
+    batch = cfg.trainer["per_device_train_batch_size"]
+    steps = cfg.trainer["max_steps"]
+    rows = task.dataset("train", n=steps * batch, seed=seed)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.trainer["learning_rate"]
+    )
+    losses = []
+    for step in range(steps):
+        ids, labels = [], []
+        for row in rows.select(range(step * batch, (step + 1) * batch)):
+            prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True)
+            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            target = tok(row["ground_truth"], add_special_tokens=False)["input_ids"]
+            target = [*target, tok.eos_token_id]
+            ids.append(prompt + target)
+            labels.append([-100] * len(prompt) + target)  # loss on the solution only
+        width = max(map(len, ids))
+        pad = [width - len(x) for x in ids]
+        input_ids = torch.tensor([x + [tok.pad_token_id] * n for x, n in zip(ids, pad)])
+        attention = torch.tensor([[1] * len(x) + [0] * n for x, n in zip(ids, pad)])
+        label_t = torch.tensor([y + [-100] * n for y, n in zip(labels, pad)])
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_t).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as the GRPO runs (TRL's)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        print(f"control step {step + 1}/{steps}  loss {loss.item():.3f}", flush=True)
+    model = model.merge_and_unload().eval()
+    before = cached_eval_before(cfg)
+    if before is None:
+        raise RuntimeError("control: no held-out scores before training; run the gate first")
+    after = evaluate_now(model, tok, task, cfg, None, "after")
+    record = {
+        "name": name,
+        "stage": "control",
+        "setting": setting,
+        "method": "sft",
+        "seed": seed,
+        "before": before,
+        "after": after,
+        "loss": losses,
+        "wall_s": time.time() - t0,
+        "resumed": False,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    (RECORDS / f"{name}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -244,6 +325,28 @@ def report(setting: str | None, out: Path) -> dict:
             "resumed": [r["seed"] for r in gate_runs if r["resumed"]],
             "capability": sorted({r["capability"] for r in gate_runs}),
         }
+    control = records("control", setting) if setting else []
+    if control:
+        result["control"] = [
+            {
+                "setting": r["setting"],
+                "method": r["method"],
+                "seed": r["seed"],
+                "before": r["before"]["mean_reward"],
+                "after": r["after"]["mean_reward"],
+                "greedy_before": r["before"]["pass@1"],
+                "greedy_after": r["after"]["pass@1"],
+                "gain_over_problems": (
+                    g := paired(
+                        r["after"]["per_problem"]["mean_reward"],
+                        r["before"]["per_problem"]["mean_reward"],
+                    )
+                ),
+                "passed": g["ci"][0] > 0,
+                "capability": r["capability"],
+            }
+            for r in control
+        ]
     main = records("main")
     if main:
         result["main_job"] = {
@@ -290,13 +393,23 @@ def print_table(result: dict) -> None:
             f"gate ({g['setting']}, seeds {g['seeds']}): after - before {p['mean']:+.3f} "
             f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], slope {g['reward_slope']['mean']:+.4f}, passed={g['passed']}"
         )
+    for c in result.get("control", []):
+        g = c["gain_over_problems"]
+        print(
+            f"positive control ({c['method']}, {c['setting']}): {c['before']:.3f} -> {c['after']:.3f}, "
+            f"gain {g['mean']:+.3f} [{g['ci'][0]:+.3f}, {g['ci'][1]:+.3f}], passed={c['passed']}"
+        )
+    if "main_job" in result:
+        m = result["main_job"]
+        pairs = ", ".join(f"{b:.3f}->{a:.3f}" for b, a in zip(m["before"], m["after"], strict=True))
+        print(f"main job (seeds {m['seeds']}): learned in {m['learned']} of {len(m['seeds'])}: {pairs}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("stage", choices=["sweep", "gate", "main", "report"])
+    ap.add_argument("stage", choices=["sweep", "gate", "main", "control", "report"])
     ap.add_argument("--setting", help="the sweep setting the gate runs on (the rule's choice)")
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
     ap.add_argument("--seeds", nargs="*", type=int)
@@ -312,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.setting not in SETTINGS:
             ap.error(f"--setting: 'chosen' or one of {list(SETTINGS)}")
         run_all([("gate", a.setting, "grpo", s) for s in a.seeds or GATE_SEEDS], a.workers)
+    elif a.stage == "control":
+        if a.setting not in SETTINGS:
+            ap.error(f"--setting: one of {list(SETTINGS)}")
+        sft_control(a.setting)
     elif a.stage == "main":
         run_all([("main", "default", "default", s) for s in a.seeds or MAIN_SEEDS], a.workers)
     report(a.setting, a.out)
