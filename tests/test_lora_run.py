@@ -61,7 +61,8 @@ def test_a_lora_run_trains_the_adapter_only_and_resumes(tiny_dir, tmp_path):
         scores = summary[when]
         assert scores["samples"] == 2 and 0.0 <= scores["mean_reward"] <= 1.0
         assert len(scores["per_problem"]["mean_reward"]) == scores["n_problems"] == 4
-    assert "mean reward, after - before" in (out / "summary.md").read_text()
+    # the verdicts follow the table after a blank line (else some renderers take them into it)
+    assert "|\n\n- mean reward, after - before" in (out / "summary.md").read_text()
 
 
 def test_bad_lora_settings_are_refused_before_any_work(tiny_dir, tmp_path):

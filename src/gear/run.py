@@ -559,7 +559,8 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
             if ev:
                 reward = f" {ev['mean_reward']:.3f} |" if sampled and "mean_reward" in ev else ""
                 lines.append(f"| {name} | {ev['pass@1']:.3f} |{reward} {ev['n_problems']} |")
-        lines += [f"- {line}" for line in learning_lines(before, after)]
+        if verdicts := learning_lines(before, after):  # a blank line ends the table
+            lines += ["", *(f"- {line}" for line in verdicts)]
     _write_atomically(run_dir / "summary.md", "\n".join(lines) + "\n")
 
 
