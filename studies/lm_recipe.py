@@ -180,6 +180,14 @@ def run_all(jobs: list[tuple[str, str, str, int]], workers: int) -> list[dict]:
 # ------------------------------------------------------------------------------ control
 
 
+def right_padded(rows: list[list[int]], value: int) -> Any:
+    """(len(rows), longest) tensor of `rows`, each padded on the right with `value`."""
+    import torch
+
+    width = max(map(len, rows))
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
+
 def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
     """The positive control: LoRA SFT on training problems' worked solutions (the answer
     itself), `max_steps` steps of `per_device_train_batch_size` rows at the setting's learning
@@ -220,12 +228,11 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
             target = [*target, tok.eos_token_id]
             ids.append(prompt + target)
             labels.append([-100] * len(prompt) + target)  # loss on the solution only
-        width = max(map(len, ids))
-        pad = [width - len(x) for x in ids]
-        input_ids = torch.tensor([x + [tok.pad_token_id] * n for x, n in zip(ids, pad)])
-        attention = torch.tensor([[1] * len(x) + [0] * n for x, n in zip(ids, pad)])
-        label_t = torch.tensor([y + [-100] * n for y, n in zip(labels, pad)])
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_t).loss
+        loss = model(
+            input_ids=right_padded(ids, tok.pad_token_id),
+            attention_mask=right_padded([[1] * len(x) for x in ids], 0),
+            labels=right_padded(labels, -100),
+        ).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as the GRPO runs (TRL's)
         opt.step()
@@ -402,7 +409,9 @@ def print_table(result: dict) -> None:
     if "main_job" in result:
         m = result["main_job"]
         pairs = ", ".join(f"{b:.3f}->{a:.3f}" for b, a in zip(m["before"], m["after"], strict=True))
-        print(f"main job (seeds {m['seeds']}): learned in {m['learned']} of {len(m['seeds'])}: {pairs}")
+        print(
+            f"main job (seeds {m['seeds']}): learned in {m['learned']} of {len(m['seeds'])}: {pairs}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
