@@ -7,7 +7,12 @@ from dataclasses import astuple
 import pytest
 import torch
 
-from gear.credit.signals import reverse_kl_from_hidden, signals_from_hidden, signals_from_logits
+from gear.credit.signals import (
+    reverse_kl_from_hidden,
+    signals_from_hidden,
+    signals_from_logits,
+    signals_from_teacher_logprobs,
+)
 
 
 def naive(s_logits, t_logits, ids, temperature=1.0):
@@ -113,6 +118,53 @@ def test_topk_estimator_is_exact_with_the_whole_vocabulary_and_close_with_most_o
     approx = signals_from_logits(s, t, ids, estimator="topk", topk=64).kl
     assert (approx >= -1e-6).all()  # the tail bucket keeps it a KL of two distributions
     assert float((approx.double() - kl).abs().mean()) < 0.1 * float(kl.mean())
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3", "topk"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("masked", [False, True])
+def test_teacher_logprobs_give_the_signals_of_the_teacher_hidden_states(
+    estimator, temperature, masked
+):
+    """Fed the teacher log-probs the hidden-state path computes (the sampled token's; for topk
+    the teacher's at the student's top-k), the log-prob path (a teacher scored by vLLM) gives
+    the same KL, entropy and log-probs; outside the mask everything is 0."""
+    hs, ht, W, ids = make(seed=5, scale=4.0)
+    mask = (
+        torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) < 0.7 if masked else None
+    )
+    kw = {"temperature": temperature, "estimator": estimator, "chunk_size": 7, "mask": mask}
+    want = signals_from_hidden(hs, ht, W, ids, topk=8, **kw)
+    logp_s = torch.log_softmax(hs @ W.T / temperature, -1)
+    top_ids = logp_s.topk(8, dim=-1).indices
+    top_logq = torch.log_softmax(ht @ W.T / temperature, -1).gather(-1, top_ids)
+    got = signals_from_teacher_logprobs(
+        hs, W, ids, want.teacher_logprobs, teacher_topk_ids=top_ids,
+        teacher_topk_logprobs=top_logq, **kw,
+    )  # fmt: skip
+    for name in ("kl", "entropy", "student_logprobs", "teacher_logprobs"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=2e-6, rtol=1e-5)
+    if masked:
+        assert (got.kl[~mask] == 0).all() and (got.entropy[~mask] == 0).all()
+    assert float(got.kl.abs().max()) > 0.1  # a signal, not zeros on both sides
+
+
+def test_teacher_logprobs_compare_with_the_given_student_logprobs_and_refuse_the_full_kl():
+    """student_logprobs (the sampling engine's) replace the hidden states' in k1 and in what is
+    returned; the entropy stays the hidden states'. 'full' cannot be computed from log-probs."""
+    hs, _, W, ids = make(seed=6)
+    lp_t = torch.randn(ids.shape).clamp(max=0) - 1
+    lp_s = torch.randn(ids.shape).clamp(max=0) - 1
+    own = signals_from_teacher_logprobs(hs, W, ids, lp_t)
+    got = signals_from_teacher_logprobs(hs, W, ids, lp_t, student_logprobs=lp_s)
+    torch.testing.assert_close(got.kl, lp_s - lp_t)
+    torch.testing.assert_close(got.student_logprobs, lp_s)
+    torch.testing.assert_close(got.entropy, own.entropy)
+    torch.testing.assert_close(own.kl, own.student_logprobs - lp_t)
+    with pytest.raises(ValueError, match=r"estimator: .*'full' needs the teacher's whole"):
+        signals_from_teacher_logprobs(hs, W, ids, lp_t, estimator="full")
+    with pytest.raises(ValueError, match="teacher_topk_ids / teacher_topk_logprobs"):
+        signals_from_teacher_logprobs(hs, W, ids, lp_t, estimator="topk")
 
 
 def test_no_gradient_flows():

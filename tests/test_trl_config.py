@@ -101,3 +101,49 @@ def test_every_declared_check_names_a_field_and_passes_the_defaults(tmp_path):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         assert check.ok(default), (name, default)
     assert fast_config(tmp_path, max_steps=-1).max_steps == -1  # HF's "train by epochs"
+
+
+VLLM_TEACHER = {
+    "teacher_engine": "vllm",
+    "use_vllm": True,
+    "kl_estimator": "k1",
+    "temperature": 1.0,
+}
+
+
+def test_the_trainer_scores_the_teacher_by_default_and_vllm_takes_its_settings(tmp_path):
+    assert fast_config(tmp_path).teacher_engine == "trainer"
+    for estimator in ("k1", "k3", "topk"):
+        config = fast_config(tmp_path, **{**VLLM_TEACHER, "kl_estimator": estimator})
+        assert config.teacher_engine == "vllm"
+    fast_config(tmp_path, **VLLM_TEACHER, vllm_mode="server")
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"use_vllm": False}, "use_vllm=False"),
+        ({"teacher": "frozen"}, "teacher='frozen'"),
+        ({"teacher": "ema"}, "teacher='ema'"),
+        ({"kl_estimator": "full"}, "kl_estimator='full'"),
+        ({"loss_mode": "self_distill"}, "loss_mode='self_distill'"),
+        ({"temperature": 0.7}, "temperature=0.7"),
+        ({"generation_kwargs": {"temperature": 0.5}}, "temperature=0.5"),
+        ({"top_p": 0.9}, "top_p=0.9"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+        ({"vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True"),
+        ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2"),
+    ],
+)
+def test_a_vllm_teacher_refuses_what_it_cannot_score_naming_both_settings(tmp_path, setting, named):
+    """vLLM scores the current weights, gives top-k log-probs of the raw logits: anything else is
+    refused when the config is built, naming teacher_engine and the setting in conflict."""
+    with pytest.raises(ValueError) as info:
+        fast_config(tmp_path, **{**VLLM_TEACHER, **setting})
+    assert str(info.value).startswith(f"GEARConfig.teacher_engine='vllm' with {named}:")
+    fast_config(tmp_path, **setting)  # each is fine with the trainer scoring the teacher
+
+
+def test_teacher_engine_takes_trainer_or_vllm(tmp_path):
+    with pytest.raises(ValueError, match="teacher_engine"):
+        fast_config(tmp_path, teacher_engine="sglang")

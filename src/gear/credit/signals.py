@@ -2,11 +2,13 @@
 log-probabilities of the sampled tokens, computed chunk by chunk so that at most one chunk of
 (chunk_size, V) logits per model exists at a time.
 
-Three entry points share one chunk loop (`_chunk_rows`):
+Four entry points share one chunk loop (`_chunk_rows`):
 - `signals_from_logits`: the caller already has (N, T, V) logits of both models.
 - `signals_from_hidden`: the caller has (N, T, H) final hidden states and the LM head; logits
   are formed per chunk and never for the whole batch. Without a teacher (`teacher_hidden=None`)
   only the student's entropy and log-probs are computed (methods such as `entropy_top`).
+- `signals_from_teacher_logprobs`: the student's hidden states and the teacher's log-probs only
+  (a teacher scored by another engine, vLLM's prompt log-probs): estimators k1, k3 and topk.
 - `reverse_kl_from_hidden`: the differentiable KL(student || detached teacher) of the
   self-distillation loss, one checkpointed chunk at a time.
 
@@ -141,14 +143,24 @@ def _chunk_signals(
         kl = log_ratio.exp() - 1.0 - log_ratio
     else:  # topk: exact on the student's k most likely tokens, one bucket for the rest
         idx = logp_s.topk(min(topk, logp_s.shape[1]), dim=1).indices
-        top_logp, top_logq = logp_s.gather(1, idx), logp_t.gather(1, idx)
-        kl = (top_logp.exp() * (top_logp - top_logq)).sum(1)
-        # tail masses from the remaining logits (1 - sum(top) loses all precision when tiny)
-        tail_logp = logp_s.scatter(1, idx, -torch.inf).logsumexp(1)
+        # the teacher's tail mass from its remaining logits (1 - sum(top) loses all precision
+        # when tiny)
         tail_logq = logp_t.scatter(1, idx, -torch.inf).logsumexp(1)
-        tail = torch.where(tail_logp > -torch.inf, tail_logp.exp() * (tail_logp - tail_logq), 0.0)
-        kl = kl + tail
+        kl = _bucket_kl(logp_s, idx, logp_t.gather(1, idx), tail_logq)
     return kl, entropy.clamp(min=0.0), lp_s, lp_t
+
+
+def _bucket_kl(logp_s: Tensor, idx: Tensor, top_logq: Tensor, tail_logq: Tensor) -> Tensor:
+    """KL(pi_S || pi_T) of both distributions coarse-grained to the k tokens `idx` and one bucket
+    holding the rest (a lower bound of the full KL, exact when the bucket is empty).
+
+    logp_s: (M, V) float32 student log-probs; idx: (M, k) long; top_logq: (M, k) teacher
+    log-probs at idx; tail_logq: (M,) log of the teacher's mass outside idx. -> (M,)."""
+    top_logp = logp_s.gather(1, idx)
+    kl = (top_logp.exp() * (top_logp - top_logq)).sum(1)
+    tail_logp = logp_s.scatter(1, idx, -torch.inf).logsumexp(1)
+    tail = torch.where(tail_logp > -torch.inf, tail_logp.exp() * (tail_logp - tail_logq), 0.0)
+    return kl + tail
 
 
 def _validate(estimator: str, temperature: float, chunk_size: int) -> None:
@@ -378,6 +390,132 @@ def _student_signals(
         softcap=softcap,
         teacher=False,
     )
+
+
+#: the estimators `signals_from_teacher_logprobs` computes from a teacher's log-probs alone
+LOGPROB_ESTIMATORS = ("k1", "k3", "topk")
+
+
+@torch.no_grad()
+def signals_from_teacher_logprobs(
+    student_hidden: Tensor,
+    lm_head_weight: Tensor,
+    token_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    teacher_topk_ids: Tensor | None = None,
+    teacher_topk_logprobs: Tensor | None = None,
+    student_logprobs: Tensor | None = None,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    estimator: str = "k1",
+    chunk_size: int = DEFAULT_CHUNK,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+) -> TokenSignals:
+    """Signals from the student's final hidden states and the teacher's log-probs (a teacher
+    scored by another engine, e.g. vLLM's prompt log-probs), with the estimators of
+    `signals_from_hidden` that need no teacher logits: "k1", "k3" and "topk".
+
+    Given the same teacher log-probs the results equal `signals_from_hidden`'s: k1 / k3 from the
+    sampled token's; topk exact on the k given tokens, the teacher's tail mass being
+    1 - sum(their probabilities) (`signals_from_hidden` gives the student's top-k; an engine
+    that returns the teacher's top-k gives those). The teacher's log-probs must be at the same
+    temperature as the student's softmax(logits / `temperature`).
+
+    Args:
+        student_hidden: (N, T, H); position t predicts token_ids[:, t].
+        lm_head_weight: (V, H); lm_head_bias: (V,) or None.
+        token_ids: (N, T) long, the sampled tokens y_t.
+        teacher_logprobs: (N, T) log pi_T(y_t).
+        teacher_topk_ids, teacher_topk_logprobs: (N, T, k) long / float, the tokens of the topk
+            estimator's exact part and the teacher's log-probs there; "topk" only.
+        student_logprobs: (N, T) log pi_S(y_t) to compare with the teacher in place of the
+            ones from `student_hidden` (the engine that scored the teacher also sampled the
+            tokens: its numerics then cancel in k1 / k3), or None. The entropy always comes
+            from `student_hidden`.
+        temperature, chunk_size, mask, softcap: as in `signals_from_hidden`.
+    Returns:
+        `TokenSignals`, each (N, T) float32, 0 outside `mask`; `student_logprobs` and
+        `teacher_logprobs` are the ones the KL compared.
+    """
+    if estimator not in LOGPROB_ESTIMATORS:
+        raise ValueError(
+            f"estimator: expected one of {list(LOGPROB_ESTIMATORS)} with teacher log-probs "
+            f"only ('full' needs the teacher's whole distribution), got {estimator!r}"
+        )
+    _validate(estimator, temperature, chunk_size)
+    _validate_softcap(softcap)
+    N, T = token_ids.shape
+    for name, value in (
+        ("teacher_logprobs", teacher_logprobs),
+        ("student_logprobs", student_logprobs),
+    ):
+        if value is not None and tuple(value.shape) != (N, T):
+            raise ValueError(f"{name}: expected shape {(N, T)}, got {tuple(value.shape)}")
+    topk = estimator == "topk"
+    if topk and (
+        teacher_topk_ids is None
+        or teacher_topk_logprobs is None
+        or teacher_topk_ids.shape[:2] != (N, T)
+        or teacher_topk_ids.shape != teacher_topk_logprobs.shape
+    ):
+        raise ValueError(
+            f"teacher_topk_ids / teacher_topk_logprobs: estimator 'topk' needs both, of one "
+            f"shape (N, T, k) = ({N}, {T}, k), got "
+            f"{None if teacher_topk_ids is None else tuple(teacher_topk_ids.shape)} and "
+            f"{None if teacher_topk_logprobs is None else tuple(teacher_topk_logprobs.shape)}"
+        )
+    base = _student_signals(
+        student_hidden, lm_head_weight, lm_head_bias, token_ids, temperature, chunk_size, mask,
+        softcap,
+    )  # fmt: skip
+    keep = torch.ones(N, T, dtype=torch.bool, device=token_ids.device) if mask is None else mask
+    lp_t = torch.where(keep, teacher_logprobs.float(), 0.0)
+    lp_s = base.student_logprobs if student_logprobs is None else student_logprobs.float()
+    lp_s = torch.where(keep, lp_s, 0.0)
+    if estimator == "k1":
+        kl = lp_s - lp_t
+    elif estimator == "k3":
+        log_ratio = lp_t - lp_s
+        kl = log_ratio.exp() - 1.0 - log_ratio
+    else:
+        kl = _bucket_kl_from_hidden(
+            student_hidden, lm_head_weight, lm_head_bias, teacher_topk_ids,
+            teacher_topk_logprobs, temperature, chunk_size, mask, softcap,
+        )  # fmt: skip
+    return TokenSignals(kl=kl, entropy=base.entropy, student_logprobs=lp_s, teacher_logprobs=lp_t)
+
+
+def _bucket_kl_from_hidden(
+    student_hidden: Tensor,
+    lm_head_weight: Tensor,
+    lm_head_bias: Tensor | None,
+    topk_ids: Tensor,
+    topk_logprobs: Tensor,
+    temperature: float,
+    chunk_size: int,
+    mask: Tensor | None,
+    softcap: float | None,
+) -> Tensor:
+    """(N, T) `_bucket_kl` of the student's softmax (logits one chunk at a time) against the
+    teacher's log-probs at the (N, T, k) `topk_ids`; 0 outside `mask`."""
+    N, T, H = student_hidden.shape
+    k = topk_ids.shape[2]
+    hs = student_hidden.reshape(N * T, H)
+    w = lm_head_weight.to(hs.dtype)
+    ids, logq = topk_ids.reshape(N * T, k), topk_logprobs.reshape(N * T, k).float()
+    positions = _positions(mask, (N, T))
+    total = N * T if positions is None else positions.numel()
+    kl = torch.zeros(N * T, dtype=torch.float32, device=hs.device)
+    for rows in _chunk_rows(total, chunk_size, positions):
+        logp_s = _scaled_float32(F.linear(hs[rows], w, lm_head_bias), temperature, True, softcap)
+        _log_softmax_(logp_s, scratch=torch.empty_like(logp_s))
+        top = logq[rows]
+        # log(1 - sum of the top-k probabilities): the teacher's mass outside them
+        tail_logq = torch.log(-torch.expm1(top.logsumexp(1).clamp(max=0.0)))
+        kl[rows] = _bucket_kl(logp_s, ids[rows], top, tail_logq)
+    return kl.view(N, T)
 
 
 def _validate_softcap(softcap: float | None) -> None:

@@ -11,10 +11,13 @@ from trl import GRPOConfig
 from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import METHODS, CreditParams
 from gear.credit.params import CONTEXT_FIELDS
+from gear.credit.signals import LOGPROB_ESTIMATORS
+from gear.integrations.trl.states import sampling_shapers
 from gear.settings import setting
 from gear.teacher import HINT_KINDS, TEACHERS, TEXT_HINT_POSITIONS, uses_answer
 
 LOSS_MODES = ("rl", "self_distill")
+TEACHER_ENGINES = ("trainer", "vllm")
 # TRL's loss formulations (GRPOConfig.loss_type's help; GRPOTrainer raises on any other, but only
 # when it first computes a loss)
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -137,6 +140,15 @@ class GEARConfig(GRPOConfig):
         Check(choices=TEXT_HINT_POSITIONS),
     )
     teacher_max_prompt_length: int | None = setting("teacher_max_prompt_length")
+    teacher_engine: str = checked(
+        "trainer",
+        "What scores the teacher: 'trainer' (a no-grad forward of the training model) or "
+        "'vllm' (one prefill of teacher prompt + completion on the vLLM engine TRL generates "
+        "with, colocate or server mode, returning prompt log-probs; needs use_vllm=True, "
+        "teacher='current', kl_estimator 'k1', 'k3' or 'topk' (kl_topk <= vLLM's "
+        "max_logprobs), temperature 1.0 and no top_p / top_k / min_p / penalties; docs/vllm.md).",
+        Check(choices=TEACHER_ENGINES),
+    )
 
     # Signals
     kl_estimator: str = setting("kl_estimator")
@@ -192,6 +204,9 @@ class GEARConfig(GRPOConfig):
                     "loss_mode='self_distill' has none (use 'worked_solution' or 'answer_only')"
                 )
 
+        if self.teacher_engine == "vllm":
+            check_vllm_teacher(self)
+
     @property
     def credit_params(self) -> CreditParams:
         """The `credit_*` fields as a validated `CreditParams` (`contrast` set by
@@ -206,6 +221,67 @@ class GEARConfig(GRPOConfig):
         return self.answer_column if uses_answer(self.teacher_context) else self.ground_truth_column
 
 
+def check_vllm_teacher(args: GEARConfig) -> None:
+    """What `teacher_engine='vllm'` needs, refused with the two settings that conflict.
+
+    vLLM returns log-probs of the weights it holds (the current policy, pushed before each
+    generation) and only the top-k of a distribution (so no full-vocabulary KL, no OPSD loss);
+    vLLM 0.31 computes prompt log-probs from the raw logits (no temperature, no sampling
+    processors), so they describe the student's softmax(logits / T) only at T = 1 without
+    top_p & co. (docs/vllm.md, 'The teacher on vLLM')."""
+
+    def refuse(setting: str, why: str) -> None:
+        raise ValueError(f"GEARConfig.teacher_engine='vllm' with {setting}: {why}")
+
+    if not args.use_vllm:
+        refuse("use_vllm=False", "the teacher is scored on TRL's vLLM engine; set use_vllm=True")
+    if args.teacher != "current":
+        refuse(
+            f"teacher={args.teacher!r}",
+            "vLLM holds the current policy's weights only; use teacher='current' or "
+            "teacher_engine='trainer'",
+        )
+    if args.kl_estimator not in LOGPROB_ESTIMATORS:
+        refuse(
+            f"kl_estimator={args.kl_estimator!r}",
+            f"vLLM returns the teacher's log-probs of the sampled token and its top-k, not its "
+            f"whole distribution; use one of {list(LOGPROB_ESTIMATORS)} or teacher_engine='trainer'",
+        )
+    if args.loss_mode == "self_distill":
+        refuse(
+            "loss_mode='self_distill'",
+            "the OPSD loss needs the teacher's full distribution on every micro-batch, vLLM "
+            "gives sampled-token / top-k log-probs; use teacher_engine='trainer'",
+        )
+    temperature = (args.generation_kwargs or {}).get("temperature", args.temperature)
+    if temperature != 1.0:
+        refuse(
+            f"temperature={temperature!r}",
+            "vLLM's prompt log-probs are of the raw logits (temperature 1), the spec's pi_T is "
+            "softmax(logits / temperature); use temperature=1.0 or teacher_engine='trainer'",
+        )
+    if shapers := sampling_shapers(args):
+        named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
+        refuse(
+            named,
+            "vLLM reports the sampled tokens' log-probs after these processors and the "
+            "teacher's prompt log-probs without them, so the KL would compare two different "
+            "distributions; leave them neutral or use teacher_engine='trainer'",
+        )
+    if args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode:
+        refuse(
+            "vllm_enable_sleep_mode=True",
+            "the colocated engine drops its weights after generation, before the teacher is "
+            "scored; turn sleep mode off or use teacher_engine='trainer'",
+        )
+    if args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size != 1:
+        refuse(
+            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}",
+            "the teacher scoring call runs on each process's own engine; use "
+            "vllm_tensor_parallel_size=1 or teacher_engine='trainer'",
+        )
+
+
 def config_checks() -> dict[str, Check]:
     """The value constraint of every checked `GEARConfig` field: TRL's fields from
     `TRL_FIELD_CHECKS`, gear's from their field metadata (`credit_*` fields are checked by
@@ -213,4 +289,12 @@ def config_checks() -> dict[str, Check]:
     return {**TRL_FIELD_CHECKS, **field_checks(GEARConfig)}
 
 
-__all__ = ["HINT_KINDS", "LOSS_MODES", "TEACHERS", "GEARConfig", "config_checks"]
+__all__ = [
+    "HINT_KINDS",
+    "LOSS_MODES",
+    "TEACHERS",
+    "TEACHER_ENGINES",
+    "GEARConfig",
+    "check_vllm_teacher",
+    "config_checks",
+]

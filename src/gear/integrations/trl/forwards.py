@@ -20,7 +20,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from gear.credit import TokenSignals
-from gear.credit.signals import signals_from_hidden
+from gear.credit.signals import signals_from_hidden, signals_from_teacher_logprobs
 from gear.modeling import LogitConventions
 from gear.prefix import plain_hidden, prefix_shared_hidden
 
@@ -113,6 +113,37 @@ class Forwards:
                 teacher_lm_head_bias=bt if separate else None,
                 estimator=self.estimator,
                 topk=self.topk,
+                chunk_size=self.chunk_size,
+                mask=mask,
+                **self.kernel_kwargs(),
+            )
+
+    def logprob_signals(
+        self,
+        student: nn.Module,
+        student_hidden: Tensor,
+        token_ids: Tensor,
+        teacher: Any,
+        student_logprobs: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> TokenSignals:
+        """`signals` with the teacher given as log-probs (`vllm_teacher.TeacherLogprobs`, a
+        teacher scored by vLLM) instead of hidden states; `student_logprobs` (B, T), the
+        sampling engine's log-probs of the tokens, replace the student's own in the KL
+        (`gear.credit.signals.signals_from_teacher_logprobs`)."""
+        with self.heads(student, None) as (ws, bs, _, _):
+            dtype = projection_dtype(self.accelerator, ws)
+            ws, bs = _cast(ws, bs, dtype)
+            return signals_from_teacher_logprobs(
+                student_hidden.to(dtype),
+                ws,
+                token_ids,
+                teacher.logprobs,
+                teacher_topk_ids=teacher.topk_ids,
+                teacher_topk_logprobs=teacher.topk_logprobs,
+                student_logprobs=student_logprobs,
+                lm_head_bias=bs,
+                estimator=self.estimator,
                 chunk_size=self.chunk_size,
                 mask=mask,
                 **self.kernel_kwargs(),

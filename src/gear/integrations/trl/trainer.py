@@ -55,6 +55,13 @@ from gear.integrations.trl.teacher_model import (
     update_ema,
 )
 from gear.integrations.trl.vllm_sync import keep_vllm_weights_updatable
+from gear.integrations.trl.vllm_teacher import (
+    TeacherLogprobs,
+    max_logprobs,
+    score_rows,
+    teacher_logprobs,
+    teacher_sequences,
+)
 from gear.modeling import LogitConventions
 from gear.teacher import TeacherPrompts, WrongAnswer, offset_answer
 
@@ -154,6 +161,15 @@ class GEARTrainer(GRPOTrainer):
         )
         keep_4bit_layers_trainable(self.model)  # bitsandbytes' AVX512 repacking drops grads
         keep_vllm_weights_updatable(self)  # vLLM's CPU kernels may hold the weights
+        if args.teacher_engine == "vllm" and args.kl_estimator == "topk":
+            limit = max_logprobs(self.vllm_generation)
+            if limit is not None and args.kl_topk > limit:
+                raise ValueError(
+                    f"kl_topk={args.kl_topk}: teacher_engine='vllm' asks vLLM for the teacher's "
+                    f"top-{args.kl_topk} prompt log-probs, more than its max_logprobs={limit}; "
+                    f"set kl_topk <= {limit}"
+                )
+        self._gear_warned_no_sampling_logprobs = False
         if self._is_vlm:
             raise NotImplementedError(
                 "GEARTrainer supports text-only models (the teacher pass has no image inputs)"
@@ -401,28 +417,63 @@ class GEARTrainer(GRPOTrainer):
                     batch_size,
                 )
         t1 = time.perf_counter()
-        teacher_hidden = None
+        scored = None
         if teacher is not None:
-            with eval_mode(self.accelerator.unwrap_model(self._teacher())):
-                teacher_hidden = self._final_hidden(
-                    self._teacher(), teacher[0], teacher[1], n_keep, batch_size
-                )
+            scored = self._teacher_pass(teacher[0], teacher[1], output, batch_size)
         t2 = time.perf_counter()
-        signals = self._signals(student_hidden, teacher_hidden, completion_ids, mask=valid)
+        signals = self._teacher_signals(student_hidden, scored, output, valid)
         stats["gear/time_student"] = t1 - t0 if forward else 0.0
         stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
         if contrast is not None:
             t3 = time.perf_counter()
-            with eval_mode(self.accelerator.unwrap_model(self._teacher())):
-                contrast_hidden = self._final_hidden(
-                    self._teacher(), contrast[0], contrast[1], n_keep, batch_size
-                )
-            contrast_kl = self._signals(
-                student_hidden, contrast_hidden, completion_ids, mask=valid
-            ).kl
+            scored = self._teacher_pass(contrast[0], contrast[1], output, batch_size)
+            contrast_kl = self._teacher_signals(student_hidden, scored, output, valid).kl
             signals = ContrastSignals(**vars(signals), contrast_kl=contrast_kl)
             stats["gear/time_contrast"] = time.perf_counter() - t3
         return signals
+
+    def _teacher_pass(
+        self, ids: Tensor, mask: Tensor, output: dict[str, Any], batch_size: int
+    ) -> Tensor | TeacherLogprobs:
+        """The teacher on its (B, L) input `ids` / `mask`: its (B, T, H) final hidden states
+        (`teacher_engine='trainer'`, eval mode), or its log-probs of the completion tokens scored
+        by TRL's vLLM engine (`'vllm'`: one prefill per row, `vllm_teacher`)."""
+        if self.args.teacher_engine == "vllm":
+            k = self.args.kl_topk if self.args.kl_estimator == "topk" else 0
+            sequences, starts = teacher_sequences(ids, mask, output["completion_mask"])
+            scored = score_rows(self.vllm_generation, self.accelerator, sequences, starts, k)
+            return teacher_logprobs(scored, output["completion_mask"], k)
+        with eval_mode(self.accelerator.unwrap_model(self._teacher())):
+            n_keep = output["completion_ids"].size(1)
+            return self._final_hidden(self._teacher(), ids, mask, n_keep, batch_size)
+
+    def _teacher_signals(
+        self,
+        student_hidden: Tensor,
+        teacher: Tensor | TeacherLogprobs | None,
+        output: dict[str, Any],
+        valid: Tensor,
+    ) -> TokenSignals:
+        """Signals at the (B, T) `valid` tokens from the student's (B, T, H) states and the
+        teacher's states or vLLM log-probs (`_teacher_pass`; None: the student's alone). With
+        vLLM's log-probs the student side of k1 / k3 is vLLM's too: the log-probs it sampled
+        the tokens with (TRL's `sampling_per_token_logps`), so the two engines' numerics do not
+        enter the KL (docs/spec.md, 'Teacher engines')."""
+        completion_ids = output["completion_ids"]
+        if not isinstance(teacher, TeacherLogprobs):
+            return self._signals(student_hidden, teacher, completion_ids, mask=valid)
+        sampled = output.get("sampling_per_token_logps")
+        if sampled is None and not self._gear_warned_no_sampling_logprobs:
+            self._gear_warned_no_sampling_logprobs = True
+            warnings.warn(
+                "teacher_engine='vllm': the batch has no vLLM sampling log-probs "
+                "(sampling_per_token_logps; a rollout_func that returns none?), so the KL "
+                "compares the trainer's student log-probs with vLLM's teacher log-probs",
+                stacklevel=2,
+            )
+        return self._forwards.logprob_signals(
+            self.model, student_hidden, completion_ids, teacher, sampled, mask=valid
+        )
 
     def _credit(
         self,
