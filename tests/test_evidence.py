@@ -1,15 +1,27 @@
 """gear.evidence: intervals against scipy's own t-test, power against published values and a
-simulation, and the learning gate's three conditions, each able to fail on its own."""
+simulation, bootstrap intervals against a plain loop over the same draws, and the learning
+gate's three conditions, each able to fail on its own."""
 
 from __future__ import annotations
 
 import math
 import random
 
+import numpy as np
 import pytest
+import torch
 from scipy import stats
 
-from gear.evidence import learning_gate, mde, paired, power_at, slope, t_interval
+from gear.evidence import (
+    bootstrap,
+    bootstrap_difference,
+    learning_gate,
+    mde,
+    paired,
+    power_at,
+    slope,
+    t_interval,
+)
 
 
 def test_t_interval_is_scipys_one_sample_interval():
@@ -34,6 +46,57 @@ def test_power_matches_the_textbook_value_and_a_simulation():
     assert power_at(0.5, 1.0, 12) == pytest.approx(hits / 4000, abs=0.025)
     assert power_at(mde(0.4, 12), 0.4, 12) == pytest.approx(0.8, abs=1e-3)
     assert math.isnan(mde(0.4, 1))
+
+
+def loop_bootstrap(values, groups, n_boot=2000, seed=0):
+    """The grouped percentile bootstrap as a plain loop over the same draws (torch's generator,
+    one row of group indices per resample), quantiles by numpy."""
+    labels = list(dict.fromkeys(groups))
+    draws = torch.randint(
+        0, len(labels), (n_boot, len(labels)), generator=torch.Generator().manual_seed(seed)
+    )
+    means = []
+    for draw in draws.tolist():
+        rows = [v for k in draw for v, g in zip(values, groups, strict=True) if g == labels[k]]
+        means.append(sum(rows) / len(rows))
+    return list(np.quantile(means, [0.025, 0.975]))
+
+
+def test_bootstrap_is_the_plain_loop_over_groups_and_drops_nan():
+    rng = random.Random(3)
+    values = [rng.gauss(0.4, 1.0) for _ in range(40)]
+    groups = [f"prompt{rng.randint(0, 9)}" for _ in values]
+    ours = bootstrap([*values, math.nan], [*groups, "prompt0"])
+    assert ours["n"] == 40 and ours["mean"] == pytest.approx(sum(values) / 40)
+    assert ours["ci"] == pytest.approx(loop_bootstrap(values, groups), rel=1e-9)
+    assert bootstrap([math.nan])["n"] == 0
+
+
+def test_a_grouped_bootstrap_resamples_prompts_not_rows():
+    values, groups = [0.0] * 5 + [1.0] * 5, ["a"] * 5 + ["b"] * 5
+    assert bootstrap(values, groups)["ci"] == [0.0, 1.0]  # two prompts: any mix of them
+    lo, hi = bootstrap(values)["ci"]  # ten independent rows: a narrower interval
+    assert 0.1 < lo < 0.5 < hi < 0.9
+
+
+def test_bootstrap_of_many_normal_values_is_close_to_the_t_interval():
+    rng = random.Random(0)
+    values = [rng.gauss(1.0, 2.0) for _ in range(400)]
+    boot, t = bootstrap(values, n_boot=4000)["ci"], t_interval(values)["ci"]
+    assert boot == pytest.approx(t, abs=0.04)  # half-width ~0.2: agreement within 20%
+
+
+def test_bootstrap_difference_resamples_each_sample_on_its_own():
+    a, b = [0.9, 0.5, 0.7, 0.8, 0.6], [0.1, 0.3, 0.2]
+    ours = bootstrap_difference(a, b, n_boot=500, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    draws = [torch.randint(0, len(x), (500, len(x)), generator=gen).tolist() for x in (a, b)]
+    diffs = [
+        sum(a[i] for i in da) / len(a) - sum(b[i] for i in db) / len(b)
+        for da, db in zip(*draws, strict=True)
+    ]
+    assert ours["mean"] == pytest.approx(0.7 - 0.2)
+    assert ours["ci"] == pytest.approx(list(np.quantile(diffs, [0.025, 0.975])), rel=1e-9)
 
 
 def test_slope_is_least_squares():

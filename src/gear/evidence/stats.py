@@ -1,7 +1,10 @@
-"""Paired statistics over seeds or problems: t-intervals, power and minimum detectable effect.
+"""Paired statistics over seeds or problems: t-intervals, power and minimum detectable effect,
+and percentile-bootstrap intervals over prompts.
 
-Every interval is a two-sided Student-t interval of a mean (scipy's t quantiles); power is that
-of the two-sided paired t-test, from the noncentral t distribution.
+A t-interval is a two-sided Student-t interval of a mean (scipy's t quantiles); power is that
+of the two-sided paired t-test, from the noncentral t distribution. A bootstrap interval is the
+percentile interval of resampled means, drawn from torch's generator with a fixed seed (the same
+call gives the same interval), for means over prompts whose rows are not independent.
 """
 
 from __future__ import annotations
@@ -77,3 +80,58 @@ def bonferroni(k: int, alpha: float = 0.05) -> float:
     if k < 1:
         raise ValueError(f"bonferroni: k is the number of comparisons, at least 1, got {k}")
     return 1 - alpha / k
+
+
+def bootstrap(
+    values: Sequence[float],
+    groups: Sequence[Any] | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> dict[str, Any]:
+    """{"mean", "ci": [lo, hi], "n"} of the finite `values` (NaN ones are dropped first): their
+    mean and its percentile bootstrap interval at level 1 - `alpha`, over `n_boot` resamples.
+
+    With `groups` (one label per value), whole groups are resampled (the rows of one prompt are
+    not independent) and each resample's mean is over all the rows of the groups drawn; without,
+    each value is its own group. With no finite value, mean and ci are NaN and n is 0.
+    """
+    import torch
+
+    labels = list(range(len(values))) if groups is None else list(groups)
+    keep = [(v, g) for v, g in zip(values, labels, strict=True) if math.isfinite(v)]
+    if not keep:
+        return {"mean": math.nan, "ci": [math.nan, math.nan], "n": 0}
+    index = {g: k for k, g in enumerate(dict.fromkeys(g for _, g in keep))}
+    sums = torch.zeros(len(index), dtype=torch.float64)  # (G,) per group
+    counts = torch.zeros(len(index), dtype=torch.float64)
+    for v, g in keep:
+        sums[index[g]] += v
+        counts[index[g]] += 1
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(index), (n_boot, len(index)), generator=gen)  # (n_boot, G)
+    means = sums[idx].sum(dim=1) / counts[idx].sum(dim=1)
+    q = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(means, q).tolist()
+    return {"mean": float(sums.sum() / counts.sum()), "ci": [lo, hi], "n": len(keep)}
+
+
+def bootstrap_difference(
+    a: Sequence[float], b: Sequence[float], n_boot: int = 2000, seed: int = 0, alpha: float = 0.05
+) -> dict[str, Any]:
+    """{"mean", "ci": [lo, hi]} of mean(a) - mean(b) for two independent samples (e.g. per-prompt
+    values on the real prompts and on the placebo's prompts): each is resampled on its own (a's
+    draws first, then b's, from one generator seeded `seed`) and the interval is the percentile
+    interval of the differences of resampled means, at level 1 - `alpha`. Values must be finite.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    means = []
+    for values in (a, b):
+        x = torch.tensor(list(values), dtype=torch.float64)  # (n,)
+        idx = torch.randint(0, len(x), (n_boot, len(x)), generator=gen)
+        means.append((float(x.mean()), x[idx].mean(dim=1)))
+    q = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(means[0][1] - means[1][1], q).tolist()
+    return {"mean": means[0][0] - means[1][0], "ci": [lo, hi]}
