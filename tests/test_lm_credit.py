@@ -1,6 +1,6 @@
-"""The real-LM credit benchmark (issue 28), tiny: pairing, the oracle's weights, an update, resume.
-
-Runs `studies/lm_credit.py` on a tiny random model (no download) for one or two steps."""
+"""The retired real-LM credit study (issue 28), tiny: pairing, the oracle's weights, an update,
+resume. Runs `studies/archive/lm_credit.py` on a tiny random model (no download) for one or two
+steps: an archived study's code still runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies" / "archive"))
 import lm_credit as lc
 
 TINY = lc.LMConfig(

@@ -1,4 +1,16 @@
-"""Issue 28: learning evidence on a real LM that can tell credit methods apart.
+"""ARCHIVED (issue 38): issue 28's real-LM comparison of credit methods, retired because its
+regime (full fine-tuning at lr 1e-5, no warmup) never learned -- every arm, GRPO included, lost
+held-out log-probability -- so it could not tell credit methods apart. Superseded by
+`studies/lm_recipe.py` (issue 35, a recipe that learns, through `gear train`) and the
+comparison of issue 37 on it. What it found: studies/archive/README.md.
+
+Its kept runs (results/lm_credit_runs/) cannot be re-keyed: each key digests this file's
+training code, `onpolicy.py`, `localization.py` and `src/gear/credit/*.py` as they were up to
+commit 76ff785 (issue 36 then changed the credit core; issue 38 moved and split the two study
+modules). This script still imports and runs (tests/test_lm_credit.py), but a rerun computes
+new keys and reruns every run; to read the 60 kept runs back by key, check out 76ff785.
+
+Issue 28: learning evidence on a real LM that can tell credit methods apart.
 
 SmolLM2-135M-Instruct (embedded) on 2- and 3-step arithmetic chains, whose first error the
 checker finds (`onpolicy.check_rollout`), warm-started by a short SFT on worked solutions of
@@ -16,13 +28,13 @@ pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
 - **Positive control:** `oracle` (and `oracle_sharp`) feed the stated result of the checker's
   first wrong equation, as token indicator, to `gear_token` in place of the KL on failed rows:
   the negative weight lands on it; correct rows stay plain GRPO.
-- **Resumable:** each finished (arm, seed) run is a JSON under benchmarks/results/lm_credit_runs/
+- **Resumable:** each finished (arm, seed) run is a JSON under studies/archive/results/lm_credit_runs/
   (kept in the repository), keyed by everything that determines it (`gear.evidence.RunStore`); a
   rerun reads it back (`reused_runs`). `--workers 2` spreads the runs over processes, one thread
   each.
 
-    OMP_NUM_THREADS=1 python studies/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
-    python studies/lm_credit.py --tiny ...   # a tiny random model (tests)
+    OMP_NUM_THREADS=1 python studies/archive/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
+    python studies/archive/lm_credit.py --tiny ...   # a tiny random model (tests)
 """
 
 from __future__ import annotations
@@ -45,15 +57,12 @@ from gear.evidence import mde, n_for_power, power_at
 from gear.evidence import paired as paired_diff
 
 HERE = Path(__file__).parent
-#: localization.py and onpolicy.py stay in benchmarks/: their bytes are part of every kept run's
-#: key (`code_digest`), and localization.py names its own results folder beside itself
-BENCH = HERE.parent / "benchmarks"
-sys.path[:0] = [str(HERE), str(BENCH)]
+BENCH = HERE.parent.parent / "benchmarks"  # localization.py and onpolicy.py
+sys.path[:0] = [str(HERE.parent), str(BENCH)]  # studies/: credit_confirm (the named arms)
 import localization as loc  # noqa: E402
 import onpolicy  # noqa: E402
 
-#: the results stay where BENCHMARKS.md and the README cite them
-RESULTS = BENCH / "results"
+RESULTS = HERE / "results"
 #: finished runs are kept in the repository (a few kB each) so that the grid resumes across
 #: sessions and machines; the warm start's weights (*.pt, git-ignored) are recomputed when absent
 RUNS = RESULTS / "lm_credit_runs"
@@ -351,7 +360,7 @@ def code_digest() -> str:
     and credit core (`gear.evidence.code_digest`). Computed once a process, so a running grid
     keeps its keys if the file is edited under it."""
     files = [BENCH / "onpolicy.py", BENCH / "localization.py"]
-    files += sorted((HERE.parent / "src" / "gear" / "credit").glob("*.py"))
+    files += sorted((HERE.parent.parent / "src" / "gear" / "credit").glob("*.py"))
     return evidence.code_digest([globals()[name] for name in RUN_CODE], files)
 
 
