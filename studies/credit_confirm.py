@@ -6,7 +6,7 @@ confirmation of the first-departure variants (BENCHMARKS.md, "First departure").
 
 `diagnose` reads natural failures of the gym's warm-started model (chain lengths 4 and 3; the
 same rollouts as the gym's localisation readout) and of SmolLM2-135M (the on-policy cache of
-`benchmarks/localization.py natural`), and says, per KL estimator, where the KL mass, the
+`studies/localization.py natural`), and says, per KL estimator, where the KL mass, the
 onsets and the extra blame of `gear`, `gear_departure` and `gear_departure_point` fall
 relative to the first wrong step: before it, on it, after it. Writes
 benchmarks/results/credit_diagnosis.json and docs/credit_diagnosis.png.
@@ -31,13 +31,15 @@ from typing import Any
 import torch
 
 from gear import evidence
-from gear.evidence import bonferroni
+from gear.evidence import bonferroni, bootstrap_difference
 
 HERE = Path(__file__).parent
-BENCH = HERE.parent / "benchmarks"  # localization.py stays there (see lm_credit.py)
-RESULTS = BENCH / "results"  # where BENCHMARKS.md and the README cite the results
+sys.path.insert(0, str(HERE))
+import localization as loc  # noqa: E402  (the on-policy study: SmolLM2's failed rows)
+import onpolicy  # noqa: E402
+
+RESULTS = HERE.parent / "benchmarks" / "results"  # where BENCHMARKS.md and the README cite them
 DOCS = HERE.parent / "docs"
-CACHE = HERE.parent / "runs" / "localization"
 METHODS = ("gear", "gear_departure", "gear_departure_point")
 OFFSETS = range(-3, 4)  # steps relative to the first wrong step
 
@@ -147,16 +149,8 @@ def _bands(rel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # --------------------------------------------------------------------------- SmolLM2 diagnosis
 
 
-def _loc() -> Any:
-    sys.path.insert(0, str(BENCH))
-    import localization
-
-    return localization
-
-
 def natural_failed(cache: Path) -> list[dict[str, Any]]:
-    loc = _loc()
-    nat = loc._load_cache(cache / "natural.pt")
+    nat = onpolicy.load_cache(cache / "natural.pt")
     return [r for g in nat.values() for r in g if "error" in r]
 
 
@@ -166,13 +160,12 @@ def lm_diagnosis(cache: Path) -> dict[str, Any]:
     top-k KL would need the logits again)."""
     from gear.credit import CreditParams, credit_details
 
-    loc = _loc()
     bad = natural_failed(cache)
     if not bad:
         return {"rows": 0, "note": f"no on-policy cache in {cache}"}
     out: dict[str, Any] = {"rows": len(bad), "estimators": {}}
     for est in ("full", "k1"):
-        b = loc._batch(bad, est)
+        b = loc.batch(bad, est)
         valid = b["valid"]
         pos = torch.arange(valid.shape[1])[None, :]
         lo = torch.tensor([r["step"][0] for r in bad])[:, None]
@@ -338,9 +331,8 @@ def lm_localisation(cache: Path, arms: dict[str, str]) -> dict[str, Any]:
     from gear.credit import CreditParams
     from gear.gym.train import parse_arm
 
-    loc = _loc()
-    nat = loc._load_cache(cache / "natural.pt")
-    plc_set = loc._load_cache(cache / "placebo.pt")
+    nat = onpolicy.load_cache(cache / "natural.pt")
+    plc_set = onpolicy.load_cache(cache / "placebo.pt")
     bad = [r for g in nat.values() for r in g if "error" in r]
     placebo = loc.placebo_rows(nat) + [
         {**r, "error": e0, "error_end": e1, "step": [s0, e1], "placebo": True}
@@ -371,32 +363,19 @@ def lm_localisation(cache: Path, arms: dict[str, str]) -> dict[str, Any]:
                 loc.natural_row_metrics(w, r["error"], r["step"])
                 for w, r in zip(ws, recs, strict=True)
             ]
-            sets.append(loc._per_prompt(rows, recs, "L"))
+            sets.append(loc.per_prompt(rows, recs, "L"))
         per_prompt[name] = (sets[0], sets[1])
         real, plc = (sum(v.values()) / max(len(v), 1) for v in sets)
         out["arms"][name] = {"L_real": real, "L_placebo": plc, "L_corrected": real - plc}
     for name in arms:
         for ref in ("grpo", "gear"):
             if name != ref and ref in arms:
-                out["arms"][name][f"corrected_minus_{ref}"] = _boot_diff(
-                    per_prompt[name], per_prompt[ref]
-                )
+                # (a_real - a_placebo) - (b_real - b_placebo): the per-prompt a - b on the
+                # real and on the placebo prompts, each set resampled on its own
+                a, b = per_prompt[name], per_prompt[ref]
+                real, plc = ([a[k][g] - b[k][g] for g in sorted(a[k])] for k in range(2))
+                out["arms"][name][f"corrected_minus_{ref}"] = bootstrap_difference(real, plc)
     return out
-
-
-def _boot_diff(a: tuple[dict, dict], b: tuple[dict, dict], n: int = 2000) -> dict[str, Any]:
-    """(a_real - a_placebo) - (b_real - b_placebo), prompts resampled within each set."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for k in range(2):  # 0: real prompts, 1: placebo prompts
-        keys = sorted(a[k])
-        d = torch.tensor([a[k][g] - b[k][g] for g in keys], dtype=torch.float64)
-        idx = torch.randint(0, len(keys), (n, len(keys)), generator=gen)
-        out.append((float(d.mean()), d[idx].mean(dim=1)))
-    mean = out[0][0] - out[1][0]
-    boot = out[0][1] - out[1][1]
-    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"mean": mean, "ci": [lo, hi]}
 
 
 def decide(gym: dict[str, dict[str, Any]], lm: dict[str, Any]) -> dict[str, Any]:
@@ -498,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("stage", choices=["diagnose", "confirm"])
-    ap.add_argument("--cache", default=str(CACHE), help="on-policy signal cache (localization.py)")
+    ap.add_argument(
+        "--cache", default=str(loc.CACHE), help="on-policy signal cache (localization.py)"
+    )
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--rule-commit", default="", help="the commit that registered the rule")
     args = ap.parse_args(argv)

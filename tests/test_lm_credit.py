@@ -55,7 +55,7 @@ def test_the_oracle_puts_a_failed_rows_weight_on_the_checkers_first_wrong_equati
     _, tok = lc.load(tiny=True)
     task = ArithmeticTask(mix={"chain": 1.0})
     text = "12 + 5 = 18, then 18 + 3 = 21. The answer is 21."
-    ids = lc.loc.completion_ids(tok, text)
+    ids = lc.onpolicy.completion_ids(tok, text)
     mask = lc.first_error_mask(tok, text, ids, task, answer="20")
     marked = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
     assert marked.strip() == "18"  # the first wrong equation's result, and nothing else

@@ -17,7 +17,7 @@ checker finds (`onpolicy.check_rollout`), warm-started by a short SFT on worked 
 training problems (the embedded model is right ~2.5% of the time, too rarely for GRPO's groups to
 carry an advantage; the gym warm-starts for the same reason). A compact GRPO loop like the gym's, through gear's own
 pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
-(`localization.teacher_ids`, i.e. `gear.teacher`), `gear.credit.signals_from_logits`,
+(`onpolicy.teacher_ids`, i.e. `gear.teacher`), `gear.credit.signals_from_logits`,
 `gear.credit.token_advantages` and TRL's `dapo` loss (`gear.gym.train.dapo_loss`).
 
 - **Metric (low noise):** the mean teacher-forced log-probability of the reference worked
@@ -57,9 +57,7 @@ from gear.evidence import mde, n_for_power, power_at
 from gear.evidence import paired as paired_diff
 
 HERE = Path(__file__).parent
-BENCH = HERE.parent.parent / "benchmarks"  # localization.py and onpolicy.py
-sys.path[:0] = [str(HERE.parent), str(BENCH)]  # studies/: credit_confirm (the named arms)
-import localization as loc  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # studies/: onpolicy, credit_confirm (the named arms)
 import onpolicy  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -96,7 +94,7 @@ def load(tiny: bool) -> tuple[Any, Any]:
 
         model, tok = tiny_model_and_tokenizer()
         return model.float(), tok
-    return loc._load_model()
+    return onpolicy.load_model()
 
 
 #: arm names -> specs: the first-departure issue's candidates (the recommended one included)
@@ -116,7 +114,7 @@ def sft_loss(model: Any, tok: Any, rows: list[dict]) -> torch.Tensor:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     seqs, spans = [], []
     for r in rows:
-        p, c = loc.render(tok, r["prompt"]), loc.completion_ids(tok, r["ground_truth"])
+        p, c = onpolicy.render(tok, r["prompt"]), onpolicy.completion_ids(tok, r["ground_truth"])
         seqs.append(p + c)
         spans.append((len(p), len(c)))
     ids, mask = padded(seqs, pad)
@@ -144,7 +142,7 @@ def warm_model(cfg: LMConfig, runs: Path | None = None, log: Any = print) -> tup
         return model, tok
     from gear.tasks.arithmetic import ArithmeticTask
 
-    rows = list(ArithmeticTask(mix=loc.NATURAL_MIX).dataset("train", n=2000, seed=2))
+    rows = list(ArithmeticTask(mix=onpolicy.NATURAL_MIX).dataset("train", n=2000, seed=2))
     g = torch.Generator().manual_seed(12_345)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.warm_lr)
     model.train()
@@ -167,7 +165,7 @@ def task_rows(cfg: LMConfig) -> tuple[Any, list[dict], list[dict]]:
     """The task, its training rows and the held-out rows (disjoint by the task's split)."""
     from gear.tasks.arithmetic import ArithmeticTask
 
-    task = ArithmeticTask(mix=loc.NATURAL_MIX)
+    task = ArithmeticTask(mix=onpolicy.NATURAL_MIX)
     train = list(task.dataset("train", n=2000, seed=0))
     test = list(task.dataset("test", n=cfg.eval_n, seed=1))
     return task, train, test
@@ -208,7 +206,7 @@ def first_error_mask(tok: Any, text: str, ids: list[int], task: Any, answer: str
         return out
     e = check["error"]
     start = e["number_end"] - len(e["stated"])
-    lo, hi = loc.char_to_token_span(loc.token_offsets(tok, ids), start, e["number_end"])
+    lo, hi = onpolicy.char_to_token_span(onpolicy.token_offsets(tok, ids), start, e["number_end"])
     for t in range(lo, min(hi, len(ids))):
         out[t] = True
     return out
@@ -249,7 +247,7 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
 
     params, estimator, oracle = arm_params(arm)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    prompts = [loc.render(tok, r["prompt"]) for r in rows]
+    prompts = [onpolicy.render(tok, r["prompt"]) for r in rows]
     torch.manual_seed(sample_seed)
     model.eval()
     groups = onpolicy.sample_groups(model, tok, prompts, cfg.group, cfg.max_new_tokens,
@@ -278,7 +276,7 @@ def rl_step(model, tok, opt, task, rows, arm, cfg: LMConfig, sample_seed: int) -
         s_logits = completion_logits(model, prompts[k], comps, pad)
         with torch.no_grad():
             t_logits = completion_logits(
-                model, loc.teacher_ids(tok, r["prompt"], r["ground_truth"]), comps, pad
+                model, onpolicy.teacher_ids(tok, r["prompt"], r["ground_truth"]), comps, pad
             )
             sig = signals_from_logits(s_logits.detach(), t_logits, ids, estimator=estimator,
                                       temperature=cfg.temperature, mask=mask)  # fmt: skip
@@ -327,8 +325,8 @@ def evaluate(
     logps = []
     for i in range(0, len(test), batch):
         for r in test[i : i + batch]:
-            prompt = loc.render(tok, r["prompt"])
-            ref = loc.completion_ids(tok, r["ground_truth"])
+            prompt = onpolicy.render(tok, r["prompt"])
+            ref = onpolicy.completion_ids(tok, r["ground_truth"])
             logits = completion_logits(model, prompt, [ref], pad)[0]
             lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ref)[:, None])
             logps.append(float(lp.sum()))
@@ -337,7 +335,7 @@ def evaluate(
         return summary(logps)
     torch.manual_seed(seed)
     right = 0
-    prompts = [loc.render(tok, r["prompt"]) for r in test]
+    prompts = [onpolicy.render(tok, r["prompt"]) for r in test]
     for i in range(0, len(test), batch):
         outs = onpolicy.sample_groups(model, tok, prompts[i : i + batch], 1, 48)
         for r, g in zip(test[i : i + batch], outs, strict=True):
@@ -359,7 +357,7 @@ def code_digest() -> str:
     """SHA-256 over `RUN_CODE`'s source and the modules a run imports from gear's benchmarks
     and credit core (`gear.evidence.code_digest`). Computed once a process, so a running grid
     keeps its keys if the file is edited under it."""
-    files = [BENCH / "onpolicy.py", BENCH / "localization.py"]
+    files = [HERE.parent / "onpolicy.py"]  # until 76ff785: benchmarks/onpolicy.py, localization.py
     files += sorted((HERE.parent.parent / "src" / "gear" / "credit").glob("*.py"))
     return evidence.code_digest([globals()[name] for name in RUN_CODE], files)
 

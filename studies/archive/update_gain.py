@@ -48,16 +48,17 @@ from gear.evidence import t_interval
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))  # localization.py and onpolicy.py live there
-from localization import (  # noqa: E402
+sys.path.insert(0, str(ROOT / "studies"))  # the on-policy rows and their signals
+import localization as loc  # noqa: E402
+from onpolicy import (  # noqa: E402
     Case,
-    _batch,
     char_to_token_span,
+    check_rollout,
     group_signals,
     render,
+    sample_groups,
     token_offsets,
 )
-from onpolicy import check_rollout, sample_groups  # noqa: E402
 
 RESULTS = HERE / "results"
 CACHE = ROOT / "runs" / "update_gain" / "default"
@@ -347,7 +348,7 @@ def arm_token_advantages(arm: str, batch: dict[str, Any], seed: int = 0) -> tupl
     adv = group_advantages(rewards).reshape(-1).float()
     signal = {"gear_k1": "k1", "gear_k3": "k3"}.get(arm, "full")
     method = {"gear_k1": "gear", "gear_k3": "gear", "shuffled": "grpo", "oracle": "gear_token"}
-    x = _batch(recs, signal)
+    x = loc.batch(recs, signal)
     if arm == "oracle":  # the checker's first wrong equation as the only signal
         x["kl"] = torch.zeros_like(x["kl"])
         for i, r in enumerate(recs):
