@@ -15,6 +15,14 @@ forward/backward, optimizer).
     .venv/bin/python benchmarks/step.py --no-bf16 --lora 16 --completions 32 --generations 4 \
         --completion-length 32 --temperature 0.7 --methods grpo,gear   # gear train's recipe
 
+With `--teacher-engine vllm` (run it in .venv-vllm) the arms are instead two GEAR runs that both
+generate with vLLM (colocate, eager) and differ only in what scores the teacher: the trainer's
+forward or vLLM's prompt log-probs (`teacher_engine`; k1 estimator, temperature 1, which the
+vLLM teacher needs). Its teacher seconds per step go to step.json under `teacher_engine`:
+
+    .venv-vllm/bin/python benchmarks/step.py --teacher-engine vllm --no-bf16 --completions 8 \
+        --generations 4 --completion-length 32 --steps 3 --repeats 1
+
 With `--lora R` every arm trains a LoRA adapter of rank R (gear train's `lora_r`: the same
 PEFT config for TRL's trainer and GEAR's); its result is kept under `lora_r<R>` in step.json
 beside the full fine-tuning figures.
@@ -33,11 +41,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, machine, print_table, write_json
 
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "credit")
 METHODS = ("grpo", "gear", "gear_unshared")
 
@@ -69,7 +82,8 @@ def trainer_fields(args: argparse.Namespace) -> dict[str, Any]:
         temperature=args.temperature,
         beta=0.0,
         bf16=args.bf16,
-        activation_checkpointing=False,
+        # transformers 5.18 renamed it; .venv-vllm (the vLLM arms) has an older one
+        **{CHECKPOINTING: False},
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -78,7 +92,13 @@ def trainer_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(
-    method: str, model0: Any, tokenizer: Any, dataset: Any, args: argparse.Namespace, out: str
+    method: str,
+    model0: Any,
+    tokenizer: Any,
+    dataset: Any,
+    args: argparse.Namespace,
+    out: str,
+    extra: dict | None = None,
 ) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
@@ -108,13 +128,34 @@ def run(
             credit_method="gear",
             teacher="current",
             credit_log_steps=0,
-            prefix_sharing=method == "gear",
-        )
-        cfg = resolve_values(
-            {"model": args.model, "task": "arithmetic", "seed": args.seed, "trainer": fields | gear}
-        )
-        targs = trainer_args(cfg, Path(out), hint_kind=task.hint_kind)
-        trainer = build_trainer(targs, model, tokenizer, task, dataset, [clock], peft_config)
+            prefix_sharing=method != "gear_unshared",
+        ) | (extra or {})
+        if extra:  # the vLLM arms: gear.run needs the newer transformers of .venv
+            from gear.integrations.trl import GEARConfig, GEARTrainer
+
+            config = GEARConfig(
+                **fields, **gear, output_dir=out, seed=args.seed, hint_kind=task.hint_kind
+            )
+            trainer = GEARTrainer(
+                model=model,
+                reward_funcs=[task.reward],
+                args=config,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                callbacks=[clock],
+                peft_config=peft_config,
+            )
+        else:
+            cfg = resolve_values(
+                {
+                    "model": args.model,
+                    "task": "arithmetic",
+                    "seed": args.seed,
+                    "trainer": fields | gear,
+                }
+            )
+            targs = trainer_args(cfg, Path(out), hint_kind=task.hint_kind)
+            trainer = build_trainer(targs, model, tokenizer, task, dataset, [clock], peft_config)
     gen_times: list[float] = []
     original = trainer._generate
 
@@ -186,7 +227,16 @@ def main() -> None:
         "grpo and gear are required",
     )
     ap.add_argument("--name", default="step")
+    ap.add_argument(
+        "--teacher-engine",
+        choices=("trainer", "vllm"),
+        default="trainer",
+        help="vllm: compare GEAR's teacher scored by the trainer and by vLLM, both generating "
+        "with vLLM colocate (needs .venv-vllm); trainer: the GRPO / GEAR comparison",
+    )
     args = ap.parse_args()
+    if args.teacher_engine == "vllm":
+        return engine_arms(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not {"grpo", "gear"} <= set(methods) or not set(methods) <= set(METHODS):
         ap.error(f"--methods: expected grpo, gear and optionally gear_unshared, got {methods}")
@@ -294,6 +344,90 @@ def main() -> None:
         kept = json.loads(path.read_text()) if path.is_file() else {}
         result = kept | {f"lora_r{args.lora}": result}
     write_json(args.name, result)
+
+
+ENGINE_ARMS = ("trainer", "vllm")
+
+
+def engine_arms(args: argparse.Namespace) -> None:
+    """GEAR with the teacher scored by the trainer vs by vLLM, both generating with vLLM
+    colocate; the median teacher seconds per step (first step excluded) into step.json."""
+    import os
+    import tempfile
+    import warnings
+    from functools import partial
+
+    import trl.generation.vllm_generation as vllm_generation
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from gear.tasks import get_task
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM's CPU torch.compile takes minutes per engine; TRL's colocate LLM(...) hides the flag
+    vllm_generation.LLM = partial(vllm_generation.LLM, enforce_eager=True)
+    args.temperature = 1.0  # the vLLM teacher's prompt log-probs are at temperature 1
+    from gear.models import load_model_and_tokenizer
+
+    task = get_task("arithmetic")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    tokenizer = task.prepare_tokenizer(tokenizer)
+    dataset = task.dataset("train", n=256, seed=args.seed)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as saved:
+        model.save_pretrained(saved)  # vLLM loads the policy from a path
+        tokenizer.save_pretrained(saved)
+        model0 = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+        for rep in range(args.repeats):
+            for engine in ENGINE_ARMS[rep % 2 :] + ENGINE_ARMS[: rep % 2]:
+                extra = dict(
+                    use_vllm=True,
+                    vllm_mode="colocate",
+                    vllm_gpu_memory_utilization=0.3,
+                    kl_estimator="k1",
+                    teacher_engine=engine,
+                )
+                with tempfile.TemporaryDirectory() as out:
+                    result = run(
+                        f"gear_{engine}_teacher", model0, tokenizer, dataset, args, out, extra
+                    )
+                cleanup_dist_env_and_memory()  # the engine, before the next arm builds one
+                for r in result:
+                    r["repeat"], r["teacher_engine"] = rep, engine
+                    print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+                rows += result
+    measured = [r for r in rows if r["step"] > 1]
+    cols = ["wall_s", "generation_s", "teacher_s", "student_s", "signals_s", "rest_s"]
+    summary = [
+        {
+            "teacher_engine": engine,
+            "steps": len(mine := [r for r in measured if r["teacher_engine"] == engine]),
+            **{c: statistics.median(r[c] for r in mine) for c in cols},
+        }
+        for engine in ENGINE_ARMS
+    ]
+    print_table(summary, ["teacher_engine", "steps", *cols], "Median seconds per step")
+    by = {s["teacher_engine"]: s for s in summary}
+    ratio = by["vllm"]["teacher_s"] / by["trainer"]["teacher_s"]
+    print(f"\nteacher seconds per step, vLLM / trainer: {ratio:.3f}")
+    path = RESULTS / f"{args.name}.json"
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    write_json(
+        args.name,
+        kept
+        | {
+            "teacher_engine": {
+                "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},
+                "precision": "trainer float32, vLLM its CPU default (bfloat16)",
+                "args": vars(args),
+                "rows": rows,
+                "summary": summary,
+                "teacher_ratio_vllm_over_trainer": ratio,
+            }
+        },
+    )
 
 
 if __name__ == "__main__":
