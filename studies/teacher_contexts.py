@@ -196,6 +196,8 @@ def summary(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     split = {t: ([r for v in s.values() for r in v if "error" in r], placebo_set(s))
              for t, s in sets.items()}  # fmt: skip
     bad, plc = split["worked_solution"]
+    for t, (b, p) in split.items():  # the contexts are paired row for row
+        assert [r["ids"] for r in b + p] == [r["ids"] for r in bad + plc], f"{t}: other rows"
     out: dict[str, Any] = {
         "failed_rows": len(bad), "failed_prompts": len({r["case"]["group"] for r in bad}),
         "placebo_rows": len(plc), "placebo_prompts": len({r["case"]["group"] for r in plc}),
@@ -217,7 +219,7 @@ def summary(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
                 cell[name] = onset_summary(rows[part, "first"], recs)
             cell["methods"] = {
                 m: {key: localisation(rows["failed", m], rows["placebo", m], bad, plc, key)
-                    for key in ("L", "blame_at")}
+                    for key in ("L", "blame_before", "blame_at", "blame_after")}
                 for m in METHODS
             }  # fmt: skip
             per_row[context, est] = rows
@@ -266,7 +268,8 @@ def run_signals(args: argparse.Namespace) -> None:
     rows = load_rows(args)
     tasks = {"natural": ArithmeticTask(mix=onpolicy.NATURAL_MIX),
              "placebo": ArithmeticTask(mix=onpolicy.PLACEBO_MIX)}  # fmt: skip
-    n = {k: 1 + max(int(g.split("-")[1]) for g in rows if g.startswith(k)) for k in tasks}
+    n = {k: 1 + max((int(g.split("-")[1]) for g in rows if g.startswith(k)), default=-1)
+         for k in tasks}  # fmt: skip
     data = {k: t.dataset("test", n=n[k], seed=0) for k, t in tasks.items() if n[k] > 0}
     paths = {t: Path(args.cache) / f"{t}.pt" for t in TEACHERS}
     caches = {t: onpolicy.load_cache(p) for t, p in paths.items()}
