@@ -442,6 +442,7 @@ def test_every_method_runs_and_zeroes_invalid_tokens():
             turn_starts=turn,
             student_logprobs=-kl.float(),
             teacher_logprobs=-ent.float(),
+            influence=kl.float(),
             params=CreditParams(method=name),
         )
         assert out.dtype == torch.float32 and out.shape == valid.shape

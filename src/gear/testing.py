@@ -6,6 +6,7 @@ Benchmarks and scripts import these instead of putting `tests/` on `sys.path`.
   in Python floats. Written from the spec text, one step at a time, with no vectorisation and no
   code shared with `gear.credit` (this module imports nothing from it), so that tests and
   benchmarks can check the vectorised implementation against it.
+- `oar_row`: a plain per-token loop of OAR-G's bi-level reshaping (docs/spec.md, `oar_g`).
 - Tiny fixtures for TRL runs, built in code with no download: `byte_tokenizer` /
   `load_tokenizer` (left padding), `tiny_model`, `dataset`, `hash_reward`, `fast_kwargs`;
   `tiny_model_and_tokenizer` is `gear.models.tiny_model_and_tokenizer`.
@@ -30,6 +31,7 @@ __all__ = [
     "hash_reward",
     "load_tokenizer",
     "normalise",
+    "oar_row",
     "save_tiny_model",
     "tiny_model",
     "tiny_model_and_tokenizer",
@@ -214,6 +216,50 @@ def _weights(
         "onsets": onset,
         "segment_ids": seg_id,
         "source": source,
+    }
+
+
+def oar_row(
+    adv: float,
+    valid: list[bool],
+    influence: list[float],
+    *,
+    oar_answer_len: int = 2,
+    oar_quantile: float = 0.5,
+    oar_boost: float = 1.0,
+    oar_floor: float = 0.1,
+) -> dict[str, list]:
+    """OAR-G (arXiv 2601.07408) on one row, one token at a time: weights and token advantages."""
+    T = len(valid)
+    # the answer span: the last oar_answer_len valid tokens keep weight 1
+    later = [sum(valid[u] for u in range(t, T)) for t in range(T)]
+    scored = [valid[t] and later[t] > oar_answer_len for t in range(T)]
+    s = normalise([math.log1p(abs(v)) for v in influence], scored)
+    # the quantile: linear interpolation between the sorted values at q * (n - 1)
+    xs = sorted(s[t] for t in range(T) if scored[t])
+    tau = 0.0
+    if xs:
+        pos = oar_quantile * (len(xs) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        frac = pos - lo
+        tau = xs[lo] + frac * (xs[hi] - xs[lo]) if frac > 0 else xs[lo]
+    raw = []
+    for t in range(T):
+        if not scored[t]:
+            raw.append(0.0)
+        elif s[t] < tau:  # suppress
+            raw.append(max(s[t] / tau, oar_floor))
+        else:  # boost
+            rel = (s[t] - tau) / (1 - tau) if tau < 1 else 0.0
+            raw.append(1 + oar_boost * rel)
+    n = sum(scored)
+    total = sum(raw)
+    w = [raw[t] * n / total if scored[t] else 1.0 for t in range(T)]
+    return {
+        "weights": w,
+        "token_advantages": [adv * w[t] if valid[t] else 0.0 for t in range(T)],
+        "source": s,
     }
 
 

@@ -137,6 +137,7 @@ def credit_details(
     student_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
+    influence: Tensor | None = None,
     params: CreditParams | None = None,
 ) -> CreditDetails:
     """Per-token advantages of `params.method` plus everything needed to log and render them.
@@ -149,6 +150,8 @@ def credit_details(
         turn_starts: (N, T) bool, first policy token of each assistant turn (optional).
         student_logprobs, teacher_logprobs: (N, T) log-probability of the sampled token.
         contrast_kl: (N, T) KL to a teacher shown a wrong ground truth (`params.contrast`).
+        influence: (N, T) a token's influence on the final answer (`oar_g`;
+            `gear.credit.attribution`).
         params: `CreditParams`; default GEAR with the spec's defaults.
     Returns:
         `CreditDetails`. Rows whose needed signals are not finite on valid tokens get w = 1.
@@ -160,6 +163,7 @@ def credit_details(
         "student_logprobs": student_logprobs,
         "teacher_logprobs": teacher_logprobs,
         "contrast_kl": contrast_kl,
+        "influence": influence,
     }
     x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params)
     out = METHODS[params.method].fn(x, params)
@@ -198,6 +202,7 @@ def token_advantages(
     student_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
+    influence: Tensor | None = None,
     params: CreditParams | None = None,
 ) -> Tensor:
     """(N, T) per-token advantages of `params.method`; see `credit_details` for the arguments."""
@@ -210,6 +215,7 @@ def token_advantages(
         student_logprobs=student_logprobs,
         teacher_logprobs=teacher_logprobs,
         contrast_kl=contrast_kl,
+        influence=influence,
         params=params,
     ).token_advantages
 

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from gear.credit import segments as seg
+from gear.credit.attribution import answer_span, masked_quantile
 
 if TYPE_CHECKING:
     from gear.credit.params import CreditParams
 
-SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
+SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "influence")
 
 
 @dataclass
@@ -37,6 +38,8 @@ class CreditInputs:
         advantages: (N,) sequence advantage A_i.
         valid: (N, T) bool response mask.
         kl, entropy, student_logprobs, teacher_logprobs: (N, T) float or None.
+        influence: (N, T) float or None, a token's influence on the final answer (OAR-G,
+            `gear.credit.attribution`).
         turn_starts: (N, T) bool or None.
     """
 
@@ -46,6 +49,7 @@ class CreditInputs:
     entropy: Tensor | None = None
     student_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
+    influence: Tensor | None = None
     turn_starts: Tensor | None = None
 
     @cached_property
@@ -326,3 +330,24 @@ def entropy_top(x: CreditInputs, p: CreditParams) -> MethodOutput:
     keep = keep.view_as(x.valid) & x.valid
     w = torch.where(x.valid, keep.to(x.advantages.dtype), 1.0)
     return MethodOutput(weights=w)
+
+
+@register_method("oar_g", requires=("influence",))
+def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """OAR-G (Li et al., arXiv 2601.07408), conservative bi-level reshaping of a token's
+    influence on the final answer. Tokens before the answer span (the last `oar_answer_len`
+    valid ones, which keep w = 1): s = min-max of log1p|influence|, tau its `oar_quantile`;
+    w = max(s / tau, `oar_floor`) below tau, 1 + `oar_boost` (s - tau) / (1 - tau) from tau
+    on; then scaled to mean 1 over those tokens. Not sign-aware: w does not depend on A."""
+    assert x.influence is not None
+    scored = x.valid & ~answer_span(x.valid, p.oar_answer_len)
+    s = seg.minmax_normalise(torch.log1p(x.influence.abs()), scored)
+    tau = masked_quantile(s, scored, p.oar_quantile)
+    low = s < tau  # only possible where tau > 0
+    suppressed = (s / torch.where(tau > 0, tau, 1.0)).clamp(min=p.oar_floor)
+    boosted = 1.0 + p.oar_boost * (s - tau) / torch.where(tau < 1, 1.0 - tau, 1.0)
+    w = torch.where(scored, torch.where(low, suppressed, boosted), 0.0)
+    n = scored.sum(dim=1, keepdim=True)
+    total = w.sum(dim=1, keepdim=True)  # >= 1 where n > 0: the row's largest s is >= tau
+    w = w * (n / torch.where(n > 0, total, 1.0))
+    return MethodOutput(weights=torch.where(scored, w, 1.0), source=s)

@@ -52,6 +52,26 @@ class CreditParams:
         default=0.2, metadata={"help": "Fraction of highest-entropy tokens kept (entropy_top)."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the 'random' method."})
+    oar_answer_len: int = field(
+        default=2,
+        metadata={
+            "help": "oar_g: the final answer is each row's last this many policy tokens; their "
+            "log-probability is what influence is measured on, and they keep weight 1."
+        },
+    )
+    oar_quantile: float = field(
+        default=0.5,
+        metadata={
+            "help": "oar_g: quantile of a row's influence that splits low from high, [0, 1]."
+        },
+    )
+    oar_boost: float = field(
+        default=1.0,
+        metadata={"help": "oar_g: the most influential token gets 1 + oar_boost before rescaling."},
+    )
+    oar_floor: float = field(
+        default=0.1, metadata={"help": "oar_g: least weight of a low-influence token, in [0, 1]."}
+    )
     contrast: bool = field(
         default=False,
         metadata={
@@ -101,6 +121,14 @@ class CreditParams:
             raise bad("rlsd_eps", "a number in [0, 1)")
         if not 0 < self.rho <= 1:
             raise bad("rho", "a number in (0, 1]")
+        if int(self.oar_answer_len) != self.oar_answer_len or self.oar_answer_len < 1:
+            raise bad("oar_answer_len", "an integer >= 1")
+        if not 0 <= self.oar_quantile <= 1:
+            raise bad("oar_quantile", "a number in [0, 1]")
+        if self.oar_boost < 0:
+            raise bad("oar_boost", "a number >= 0")
+        if not 0 <= self.oar_floor <= 1:
+            raise bad("oar_floor", "a number in [0, 1]")
         for name in ("preserve_mass", "contrast"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
