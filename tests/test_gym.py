@@ -14,7 +14,7 @@ import torch
 from gear.gym import run
 from gear.gym.model import ModelConfig, WarmStart, build_model, sample
 from gear.gym.task import STEP_LEN, ChainTask
-from gear.gym.train import RLConfig, credit, parse_arm, rl_step
+from gear.gym.train import RLConfig, answer_influence, credit, parse_arm, rl_step
 
 TINY = ModelConfig(hidden=16, layers=1, heads=2)
 MICRO_WARM = WarmStart(target=1.0, max_steps=10, check_every=5, eval_n=16, batch=16)
@@ -361,3 +361,31 @@ def test_tables_stay_aligned_with_a_users_long_arm_name(monkeypatch):
     res = CliRunner().invoke(app, ["gym", "--methods", "grpo"], terminal_width=60)
     assert res.exit_code == 0, res.output
     assert text in res.output  # not wrapped at the terminal's width
+
+
+def test_oar_g_trains_in_the_gym_from_the_answer_influence():
+    """`oar_g` reads no teacher: one input-gradient pass gives its influence, which is zero on
+    the answer span's last token and the credit reshapes the tokens before the span."""
+    task = ChainTask(3)
+    model = build_model(TINY, task)
+    arm = parse_arm("oar_g")
+    problems = task.problems(4, torch.Generator().manual_seed(3))
+    prompts = task.prompts(problems)
+    comp = torch.randint(
+        0, 10, (4, task.completion_len), generator=torch.Generator().manual_seed(1)
+    )
+    infl = answer_influence(model, arm, prompts, comp)
+    assert infl.shape == comp.shape and torch.all(infl[:, -1] == 0) and bool(infl.gt(0).any())
+    assert not any(p.grad is not None for p in model.parameters())  # no parameter gradients
+    assert answer_influence(model, parse_arm("grpo"), prompts, comp) is None
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for seed in range(5):
+        out = rl_step(
+            model, opt, arm, task, MICRO_RL, problems,
+            torch.Generator().manual_seed(seed), credit_seed=seed,
+        )  # fmt: skip
+        if out["updated"]:
+            break
+    assert out["updated"] == 1.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -57,11 +57,14 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     expected = ("gear/kl_mean", "gear/entropy_mean") if mode == "self_distill" else SPEC_METRICS
     for key in expected:
         assert key in logs and math.isfinite(logs[key]), key
-    if mode not in ("grpo", "self_distill"):  # these skip the signal passes
+    if mode not in ("grpo", "self_distill", "oar_g"):  # these skip the signal passes
         assert logs["gear/entropy_mean"] > 0
         assert set(logs) >= TIMINGS
-    if mode not in ("grpo", "self_distill", "entropy_top"):  # entropy_top: no teacher, no KL
+    if mode not in ("grpo", "self_distill", "entropy_top", "oar_g"):  # no teacher, no KL
         assert logs["gear/kl_mean"] > 0
+    if mode == "oar_g":  # no teacher, no signal pass: its own influence pass
+        assert trainer.teacher_model is None and not trainer._needs_signals
+        assert logs["gear/time_influence"] > 0 and "gear/time_teacher" not in logs
     if mode == "self_distill":
         assert logs["gear/kl_mean"] > 0 and logs["rewards/no_reward/mean"] == 0.0
 

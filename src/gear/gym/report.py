@@ -19,7 +19,7 @@ import torch
 from gear.evidence import t_interval
 from gear.gym.model import completion_logits, sample
 from gear.gym.task import STEP_LEN, ChainTask
-from gear.gym.train import Arm, credit
+from gear.gym.train import Arm, answer_influence, credit
 
 #: paired differences always reported when both arms ran: "a-b" = a minus b
 PAIRS = (("oracle", "grpo"), ("gear", "grpo"), ("gear", "random"), ("gear_k1", "gear"))
@@ -152,6 +152,7 @@ def localisation(
             w = -credit(
                 arm, task, p, c, adv, s_logits[rows], t_logits[rows], seed=seed,
                 contrast_logits=c_logits[rows],
+                influence=answer_influence(model, arm, student[rows], c),
             )  # fmt: skip
             top = w >= w.max(dim=1, keepdim=True).values - 1e-9
             in_step = task.step_mask(st)

@@ -28,6 +28,12 @@ from torch import Tensor
 
 from gear.constraints import Check, check_fields, checked, field_checks
 from gear.credit import METHODS, CreditParams, token_advantages
+from gear.credit.attribution import (
+    answer_span,
+    input_gradient_influence,
+    span_logprob,
+    span_positions,
+)
 from gear.credit.signals import ESTIMATORS, signals_from_logits
 from gear.gym.model import ModelConfig, build_model, completion_logits, evaluate, sample
 from gear.gym.task import STEP_LEN, ChainTask
@@ -156,11 +162,12 @@ def credit(
     seed: int,
     temperature: float = 1.0,
     contrast_logits: Tensor | None = None,
+    influence: Tensor | None = None,
 ) -> Tensor:
     """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient).
 
     `contrast_logits`: the contrast teacher's (a wrong hint), needed when the arm's
-    `CreditParams.contrast` is on."""
+    `CreditParams.contrast` is on. `influence`: (N, T) `answer_influence`, for `oar_g`."""
     mask = torch.ones_like(completions, dtype=torch.bool)
     params = arm.params(seed)
 
@@ -191,8 +198,31 @@ def credit(
         student_logprobs=sig.student_logprobs,
         teacher_logprobs=sig.teacher_logprobs,
         contrast_kl=contrast_kl,
+        influence=influence,
         params=params,
     )
+
+
+def answer_influence(
+    model: Any, arm: Arm, prompts: Tensor, completions: Tensor, temperature: float = 1.0
+) -> Tensor | None:
+    """(N, T) OAR-G influence of each completion token on the log-probability of the
+    completion's last `oar_answer_len` tokens (`gear.credit.attribution`; the task's answer is
+    the last step's "r;"), or None when the arm's method reads no influence."""
+    if "influence" not in METHODS[arm.method].requires:
+        return None
+    k = arm.params(0).oar_answer_len
+    span = answer_span(torch.ones_like(completions, dtype=torch.bool), k)
+    idx, real = span_positions(span, k)
+    P = prompts.shape[1]
+
+    def score(embeds: Tensor) -> Tensor:  # the gym's vocabulary is 16: full logits are cheap
+        z = model(inputs_embeds=embeds, use_cache=False).logits[:, P - 1 : -1]
+        z = z.gather(1, idx[..., None].expand(-1, -1, z.shape[-1]))
+        return span_logprob(z, completions.gather(1, idx), real, temperature)
+
+    embeds = model.get_input_embeddings()(torch.cat([prompts, completions], dim=1))
+    return input_gradient_influence(score, embeds)[:, P:]
 
 
 @torch.no_grad()
@@ -251,9 +281,11 @@ def rl_step(
     teacher, contrast = teacher_logits(model, arm, task, rep, comp)
     with torch.no_grad():
         old_logp = token_logprobs(logits, comp, cfg.temperature)
+    influence = answer_influence(model, arm, prompts, comp, cfg.temperature)
     adv_tok = credit(
-        arm, task, rep, comp, adv, logits, teacher, credit_seed, cfg.temperature, contrast
-    )
+        arm, task, rep, comp, adv, logits, teacher, credit_seed, cfg.temperature, contrast,
+        influence,
+    )  # fmt: skip
     loss = dapo_loss(logits, old_logp, comp, adv_tok.to(logits.dtype), cfg.epsilon, cfg.temperature)
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -97,6 +97,10 @@ class GEARConfig(GRPOConfig):
     credit_rlsd_lambda: float = _credit_field("rlsd_lambda")
     credit_rlsd_eps: float = _credit_field("rlsd_eps")
     credit_rho: float = _credit_field("rho")
+    credit_oar_answer_len: int = _credit_field("oar_answer_len")
+    credit_oar_quantile: float = _credit_field("oar_quantile")
+    credit_oar_boost: float = _credit_field("oar_boost")
+    credit_oar_floor: float = _credit_field("oar_floor")
     credit_seed: int = field(
         default=_CREDIT_FIELDS["seed"].default,
         metadata={

@@ -34,6 +34,7 @@ def batch_credit(
     turn_starts: Tensor | None,
     signals: TokenSignals | None,
     params: CreditParams,
+    influence: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
@@ -42,12 +43,14 @@ def batch_credit(
         valid: (B, T) bool policy tokens; turn_starts: (B, T) bool or None.
         signals: this process's (B, T) signals, or None when the method needs none; a
             `ContrastSignals` also gives the contrast teacher's KL (`params.contrast`).
+        influence: (B, T) this process's OAR-G influence (`oar_g`), or None.
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
         "turn_starts": turn_starts,
         **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
         "contrast_kl": getattr(signals, "contrast_kl", None),
+        "influence": influence,
     }
     world = accelerator.num_processes
     B, T = valid.shape

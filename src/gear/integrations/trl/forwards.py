@@ -20,8 +20,17 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from gear.credit import TokenSignals
+from gear.credit.attribution import (
+    answer_span,
+    input_gradient_influence,
+    span_logprob,
+    span_positions,
+)
 from gear.credit.signals import signals_from_hidden, signals_from_teacher_logprobs
 from gear.modeling import LogitConventions
+from gear.modeling.model import capture_final_hidden, lm_head, only_capture, takes_position_ids
+from gear.modeling.model import unwrap as unwrap_model
+from gear.modeling.positions import padding_free_positions
 from gear.prefix import plain_hidden, prefix_shared_hidden
 
 Heads = tuple[Tensor, Tensor | None, Tensor, Tensor | None]
@@ -148,6 +157,62 @@ class Forwards:
                 mask=mask,
                 **self.kernel_kwargs(),
             )
+
+
+def answer_influence(
+    forwards: Forwards,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    valid: Tensor,
+    answer_len: int,
+    batch_size: int | None = None,
+) -> Tensor:
+    """(B, T) OAR-G influence of each completion token (`gear.credit.attribution`): one forward
+    and one input-gradient backward per chunk of `batch_size` rows, no parameter gradients.
+
+    Args:
+        input_ids, attention_mask: (B, L) prompt + completion, the completion its last T columns.
+        valid: (B, T) bool policy tokens; the answer span is each row's last `answer_len`.
+    Logits are formed only at the span's positions (B, answer_len, V), never (B, L, V).
+    """
+    inner = unwrap_model(forwards.accelerator.unwrap_model(model))
+    T = valid.shape[1]
+    idx, real = span_positions(answer_span(valid, answer_len), answer_len)
+    targets = input_ids[:, -T:].gather(1, idx)
+    head, positions = lm_head(inner), takes_position_ids(inner)
+    batch_size = batch_size or input_ids.size(0)
+    checkpointed = checkpointing(inner)  # reentrant checkpointing refuses autograd.grad
+    no_checkpointing = (
+        disable_gradient_checkpointing(inner, forwards.gradient_checkpointing_kwargs)
+        if checkpointed
+        else nullcontext()
+    )
+    out = []
+    with no_checkpointing, forwards.accelerator.autocast():
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            mask = attention_mask[rows]
+            extra = {"position_ids": padding_free_positions(mask)} if positions else {}
+
+            def score(
+                embeds: Tensor, rows: slice = rows, mask: Tensor = mask, extra=extra
+            ) -> Tensor:
+                with capture_final_hidden(inner, lambda h: h[:, -T - 1 : -1]) as got:
+                    inner(
+                        inputs_embeds=embeds,
+                        attention_mask=mask,
+                        logits_to_keep=1,
+                        use_cache=False,
+                        **extra,
+                    )
+                h = only_capture(got, inner)  # (b, T, H), predicting each completion token
+                h = h.gather(1, idx[rows, :, None].expand(-1, -1, h.shape[-1]))
+                return span_logprob(head(h), targets[rows], real[rows], **forwards.kernel_kwargs())
+
+            embeds = inner.get_input_embeddings()(input_ids[rows])
+            out.append(input_gradient_influence(score, embeds)[:, -T:])
+    return torch.cat(out)
 
 
 def projection_dtype(accelerator: Any, weight: Tensor) -> torch.dtype:

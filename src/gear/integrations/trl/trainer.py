@@ -31,7 +31,7 @@ from gear.credit.methods import METHODS
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
 from gear.integrations.trl.credit import ContrastSignals, batch_credit, without_unhinted_rows
-from gear.integrations.trl.forwards import Forwards, eval_mode
+from gear.integrations.trl.forwards import Forwards, answer_influence, eval_mode
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
     check_ground_truth_sources,
@@ -189,8 +189,16 @@ class GEARTrainer(GRPOTrainer):
         self.credit_params = args.credit_params
         requires = METHODS[self.credit_params.method].requires
         self_distill = args.loss_mode == "self_distill"
-        # what this run computes: student signals (any requirement), a teacher (KL or its log-probs)
-        self._needs_signals = self_distill or bool(requires)
+        # what this run computes: student signals (any requirement), a teacher (KL or its log-probs),
+        # the answer influence (OAR-G: its own input-gradient pass, no signal pass)
+        self._needs_influence = "influence" in requires
+        if self._needs_influence and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise NotImplementedError(
+                f"credit_method={self.credit_params.method!r}: its influence pass runs the "
+                "unwrapped model with an input gradient, which DeepSpeed and FSDP do not allow; "
+                "use DDP or one process"
+            )
+        self._needs_signals = self_distill or bool(set(requires) - {"influence"})
         self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
         if self._needs_signals and (shapers := sampling_shapers(args)):
             named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
@@ -336,9 +344,10 @@ class GEARTrainer(GRPOTrainer):
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
+        influence = self._influence(output, valid, mode, stats) if self._needs_influence else None
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
-        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals)
+        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals, influence)
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
         log_stats(self.accelerator, self._metrics[mode], stats)
@@ -432,6 +441,31 @@ class GEARTrainer(GRPOTrainer):
             stats["gear/time_contrast"] = time.perf_counter() - t3
         return signals
 
+    def _influence(
+        self, output: dict[str, Any], valid: Tensor, mode: str, stats: dict[str, float]
+    ) -> Tensor:
+        """(B, T) OAR-G influence of each completion token on the log-probability of the row's
+        last `credit_oar_answer_len` policy tokens (`forwards.answer_influence`, eval mode);
+        its seconds go to `gear/time_influence`."""
+        t0 = time.perf_counter()
+        batch_size = (
+            self.args.per_device_train_batch_size
+            if mode == "train"
+            else self.args.per_device_eval_batch_size
+        )
+        with eval_mode(self.accelerator.unwrap_model(self.model)):
+            influence = answer_influence(
+                self._forwards,
+                self.model,
+                torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+                torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+                valid,
+                self.credit_params.oar_answer_len,
+                batch_size,
+            )
+        stats["gear/time_influence"] = time.perf_counter() - t0
+        return influence
+
     def _teacher_pass(
         self, ids: Tensor, mask: Tensor, output: dict[str, Any], batch_size: int
     ) -> Tensor | TeacherLogprobs:
@@ -481,10 +515,17 @@ class GEARTrainer(GRPOTrainer):
         valid: Tensor,
         turn_starts: Tensor | None,
         signals: TokenSignals | None,
+        influence: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
         return batch_credit(
-            self.accelerator, advantages, valid, turn_starts, signals, self._batch_credit_params()
+            self.accelerator,
+            advantages,
+            valid,
+            turn_starts,
+            signals,
+            self._batch_credit_params(),
+            influence,
         )
 
     def _teacher(self) -> nn.Module:

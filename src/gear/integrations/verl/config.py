@@ -308,6 +308,11 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         params = g.credit_params(method)
     except ValueError as e:
         raise GearConfigError(f"gear.credit: {e}") from e
+    if "influence" in METHODS[method].requires:
+        raise GearConfigError(
+            f"algorithm.adv_estimator={estimator!r}: the verl integration computes no answer "
+            "influence (OAR-G) yet; use TRL's GEARTrainer or the gym for this method"
+        )
     if params.contrast and "kl" not in METHODS[method].requires:
         raise GearConfigError(
             f"gear.teacher_context: 'contrast' subtracts a second teacher's KL, and "
