@@ -302,7 +302,7 @@ def choose(sweep: list[dict]) -> str:
 
 
 def report(setting: str | None, out: Path) -> dict:
-    from gear.evidence import learning_gate, paired
+    from gear.evidence import learning_gate, mde, paired
 
     result: dict[str, Any] = {"sweep": [sweep_entry(r) for r in records("sweep")]}
     if {e["setting"] for e in result["sweep"]} >= set(SETTINGS):
@@ -332,6 +332,8 @@ def report(setting: str | None, out: Path) -> dict:
             "resumed": [r["seed"] for r in gate_runs if r["resumed"]],
             "capability": sorted({r["capability"] for r in gate_runs}),
         }
+        # the smallest gain these seeds detect with 80% power at their between-seed SD
+        result["gate"]["mde_80"] = mde(result["gate"]["paired"]["sd"], len(gate_runs))
     control = records("control", setting) if setting else []
     if control:
         result["control"] = [
@@ -398,7 +400,8 @@ def print_table(result: dict) -> None:
         p = g["paired"]
         print(
             f"gate ({g['setting']}, seeds {g['seeds']}): after - before {p['mean']:+.3f} "
-            f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], slope {g['reward_slope']['mean']:+.4f}, passed={g['passed']}"
+            f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] (MDE at 80% power {g['mde_80']:.3f}), "
+            f"slope {g['reward_slope']['mean']:+.4f}, passed={g['passed']}"
         )
     for c in result.get("control", []):
         g = c["gain_over_problems"]
