@@ -319,6 +319,8 @@ def run_metrics(args: argparse.Namespace) -> None:
             ["metrics", "--rows", str(args.rows)]) + ")",
     }  # fmt: skip
     out["metrics_s"] = time.time() - t0
+    # the pre-registered sizes (>= 500 failed rows, >= 100 placebo rows); below them: partial
+    out["partial"] = out["failed_rows"] < 500 or out["placebo_rows"] < 100
     path = Path(args.out)
     path.write_text(json.dumps(loc.clean(out), indent=1) + "\n")
     print(f"wrote {path}")
