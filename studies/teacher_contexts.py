@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -299,6 +298,20 @@ def run_signals(args: argparse.Namespace) -> None:
             print(f"{k + 1}/{len(todo)} prompts, {time.time() - t0:.0f} s", flush=True)
 
 
+def commands(groups: list[str], rows: str) -> list[str]:
+    """The commands that made a result on `groups` (prompts "natural-j" / "placebo-j")."""
+    n = {k: 1 + max((int(g.split("-")[1]) for g in groups if g.startswith(k)), default=-1)
+         for k in ("natural", "placebo")}  # fmt: skip
+    run = "OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python studies/"
+    return [
+        f"{run}localization.py natural --natural-prompts {n['natural']} --cache {rows}",
+        f"{run}localization.py natural --placebo-set --placebo-prompts {n['placebo']} "
+        f"--cache {rows}",
+        f"{run}teacher_contexts.py signals --rows {rows}",
+        f".venv/bin/python studies/teacher_contexts.py metrics --rows {rows}",
+    ]
+
+
 def run_metrics(args: argparse.Namespace) -> None:
     """Every metric from the caches -> benchmarks/results/teacher_contexts.json."""
     rows = load_rows(args)
@@ -315,8 +328,7 @@ def run_metrics(args: argparse.Namespace) -> None:
         **summary(sets),
         "capability": str(torch.backends.cpu.get_cpu_capability()),
         "torch": torch.__version__,
-        "command": "studies/teacher_contexts.py (docstring: rows, signals, then " + shlex.join(
-            ["metrics", "--rows", str(args.rows)]) + ")",
+        "commands": commands(groups, str(args.rows)),
     }  # fmt: skip
     out["metrics_s"] = time.time() - t0
     # the pre-registered sizes (>= 500 failed rows, >= 100 placebo rows); below them: partial
