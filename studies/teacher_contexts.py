@@ -155,6 +155,10 @@ def onset_summary(firsts: list[int], recs: list[dict[str, Any]]) -> dict[str, An
     for band in ONSET_BANDS:
         b = bootstrap([float(x == band) for x in bands], groups)
         out[band] = {"fraction": b["mean"], "count": bands.count(band), "ci": b["ci"]}
+    # not a band: the first token whatever the equation (issue 36's count; most wrong equations
+    # open the completion, where the bands call a first-token onset "at")
+    b = bootstrap([float(f == 0) for f in firsts], groups)
+    out["token0"] = {"fraction": b["mean"], "count": firsts.count(0), "ci": b["ci"]}
     return out
 
 

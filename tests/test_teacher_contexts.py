@@ -101,6 +101,7 @@ def test_first_onset_bands():
     out = tc.onset_summary([0, 0, 2], rows)
     assert out["position0"]["count"] == 2 and out["after"]["count"] == 1
     assert abs(out["position0"]["fraction"] - 2 / 3) < 1e-9
+    assert out["token0"]["count"] == 2  # the first token, whatever the equation
 
 
 def test_summary_pairs_every_context_on_the_same_rows():
@@ -126,6 +127,6 @@ def test_summary_pairs_every_context_on_the_same_rows():
     for context in tc.CONTEXTS:
         for est in tc.ESTIMATORS:
             cell = out["contexts"][context][est]
-            assert sum(v["count"] for v in cell["first_onset"].values()) == 7
+            assert sum(cell["first_onset"][b]["count"] for b in tc.ONSET_BANDS) == 7
             assert set(cell["methods"]) == set(tc.METHODS)
             assert ("vs_worked_solution" in cell) == (context != "worked_solution")
