@@ -205,7 +205,8 @@ def gear_token_advantages(
     )
     params = dataclasses.replace(params, method=method) if params.method != method else params
     requires = (*METHODS[method].requires, *(("contrast_kl",) if params.contrast else ()))
-    missing = [OUTPUT_FIELDS[s] for s in requires if signals.get(s) is None]
+    # a signal verl's trainer never computes (OAR-G's influence) is named as itself
+    missing = [OUTPUT_FIELDS.get(s, s) for s in requires if signals.get(s) is None]
     if missing:
         raise ValueError(
             f"verl advantage estimator {estimator!r} needs the per-token signals {missing}, which "
