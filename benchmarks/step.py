@@ -110,19 +110,19 @@ def run(
     model = copy.deepcopy(model0)
     clock = StepClock()
     peft_config = lora_config(resolve_values({"lora_r": args.lora}))  # None without --lora
+    common = dict(  # what both trainers are given besides their config
+        model=model,
+        reward_funcs=[task.reward],
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+        peft_config=peft_config,
+    )
     if method == "grpo":  # TRL's own trainer: the baseline GEAR's cost is measured against
         config = GRPOConfig(
             **fields, output_dir=out, seed=args.seed, use_cpu=not torch.cuda.is_available()
         )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=[task.reward],
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            callbacks=[clock],
-            peft_config=peft_config,
-        )
+        trainer = GRPOTrainer(args=config, **common)
     else:  # gear train's recipe (gear.run) with this config
         gear = dict(
             credit_method="gear",
@@ -136,15 +136,7 @@ def run(
             config = GEARConfig(
                 **fields, **gear, output_dir=out, seed=args.seed, hint_kind=task.hint_kind
             )
-            trainer = GEARTrainer(
-                model=model,
-                reward_funcs=[task.reward],
-                args=config,
-                train_dataset=dataset,
-                processing_class=tokenizer,
-                callbacks=[clock],
-                peft_config=peft_config,
-            )
+            trainer = GEARTrainer(args=config, **common)
         else:
             cfg = resolve_values(
                 {
