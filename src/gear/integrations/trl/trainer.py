@@ -408,11 +408,7 @@ class GEARTrainer(GRPOTrainer):
         that pass and its signals)."""
         completion_ids = output["completion_ids"]
         n_keep = completion_ids.size(1)
-        batch_size = (
-            self.args.per_device_train_batch_size
-            if mode == "train"
-            else self.args.per_device_eval_batch_size
-        )
+        batch_size = self._micro_batch(mode)
         t0 = time.perf_counter()
         student_hidden = self._student.take(output)
         forward = student_hidden is None
@@ -448,11 +444,7 @@ class GEARTrainer(GRPOTrainer):
         last `credit_oar_answer_len` policy tokens (`forwards.answer_influence`, eval mode);
         its seconds go to `gear/time_influence`."""
         t0 = time.perf_counter()
-        batch_size = (
-            self.args.per_device_train_batch_size
-            if mode == "train"
-            else self.args.per_device_eval_batch_size
-        )
+        batch_size = self._micro_batch(mode)
         with eval_mode(self.accelerator.unwrap_model(self.model)):
             influence = answer_influence(
                 self._forwards,
@@ -527,6 +519,13 @@ class GEARTrainer(GRPOTrainer):
             self._batch_credit_params(),
             influence,
         )
+
+    def _micro_batch(self, mode: str) -> int:
+        """Rows per forward of the extra passes (teacher, student, influence): the run's own
+        per-device batch of that mode."""
+        if mode == "train":
+            return self.args.per_device_train_batch_size
+        return self.args.per_device_eval_batch_size
 
     def _teacher(self) -> nn.Module:
         return self.model if self.teacher_model is None else self.teacher_model
