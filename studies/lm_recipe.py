@@ -138,10 +138,15 @@ def keep(
         "resumed": resumed,
         "capability": torch.backends.cpu.get_cpu_capability(),
     }
+    return write_record(record)
+
+
+def write_record(record: dict) -> dict:
+    """Keep `record` as `RECORDS/<its name>.json`, atomically (a stop never leaves half a file)."""
     RECORDS.mkdir(parents=True, exist_ok=True)
-    tmp = RECORDS / f".{name}.tmp"
+    tmp = RECORDS / f".{record['name']}.tmp"
     tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, RECORDS / f"{name}.json")
+    os.replace(tmp, RECORDS / f"{record['name']}.json")
     return record
 
 
@@ -257,9 +262,7 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
         "resumed": False,
         "capability": torch.backends.cpu.get_cpu_capability(),
     }
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    (RECORDS / f"{name}.json").write_text(json.dumps(record, indent=1))
-    return record
+    return write_record(record)
 
 
 # ------------------------------------------------------------------------------ report
