@@ -112,8 +112,8 @@ def teacher_logprobs(scored: list[Scored], completion_mask: Tensor, k: int) -> T
     """The scored rows placed at their (B, T) completion positions."""
     B, T = completion_mask.shape
     logprobs = torch.zeros(B, T)
-    topk_ids = torch.zeros(B, T, max(k, 1), dtype=torch.long) if k else None
-    topk_lps = torch.zeros(B, T, max(k, 1)) if k else None
+    topk_ids = torch.zeros(B, T, k, dtype=torch.long) if k else None
+    topk_lps = torch.zeros(B, T, k) if k else None
     for i, (actual, ids, lps) in enumerate(scored):
         at = completion_mask[i].nonzero().squeeze(1).cpu()
         logprobs[i, at] = torch.tensor(actual, dtype=torch.float32)
