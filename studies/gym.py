@@ -4,8 +4,9 @@
     python studies/gym.py --workers 2             # the default grid: 10 arms x 20 seeds
     python studies/gym.py --methods grpo --methods mymod:my_method --seeds 10
     python studies/gym.py --sweep 0.05 0.1 0.2 0.4
+    python studies/gym.py --hint answer_only      # the teacher sees the final result alone
 
-Writes benchmarks/results/gym.json (or --out) and plots under benchmarks/results/gym/.
+Writes benchmarks/results/gym.json (gym_answer_only.json with --hint answer_only; or --out) and plots under benchmarks/results/gym/.
 See docs/gym.md.
 """
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from gear.gym import run, table
+from gear.gym.task import HINTS
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"  # where docs cite them
 
@@ -29,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--length", type=int, default=4, help="chain length (steps per problem)")
+    ap.add_argument(
+        "--hint",
+        choices=HINTS,
+        default="all_steps",
+        help="what the teacher is shown: every intermediate result or the final one alone",
+    )
     ap.add_argument("--sweep", type=float, nargs="*", default=[], help="tau_onset values")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument(
@@ -43,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(a, name) < 1:
             ap.error(f"--{name}: expected an integer >= 1, got {getattr(a, name)}")
     stem = "gym_quick" if a.quick else "gym"  # a smoke test never overwrites the grid's result
+    if a.hint != "all_steps":  # nor does another teacher context
+        stem += f"_{a.hint}"
     a.out = a.out or RESULTS / f"{stem}.json"
     a.plots = a.plots or RESULTS / stem
     result = run(
@@ -50,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=range(a.first_seed, a.first_seed + a.seeds),
         steps=a.steps,
         length=a.length,
+        hint=a.hint,
         quick=a.quick,
         sweep=a.sweep,
         workers=a.workers,

@@ -13,7 +13,7 @@ import torch
 
 from gear.gym import run
 from gear.gym.model import ModelConfig, WarmStart, build_model, sample
-from gear.gym.task import STEP_LEN, ChainTask
+from gear.gym.task import ID, STEP_LEN, ChainTask
 from gear.gym.train import RLConfig, answer_influence, credit, parse_arm, rl_step
 
 TINY = ModelConfig(hidden=16, layers=1, heads=2)
@@ -389,3 +389,78 @@ def test_oar_g_trains_in_the_gym_from_the_answer_influence():
             break
     assert out["updated"] == 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------- teacher contexts
+
+
+def test_the_answer_only_teacher_is_shown_the_final_result_alone():
+    """answer_only: <bos> rL : prompt; its contrast shows rL + 5 mod 10 in the same format;
+    all_steps (the default) keeps every result."""
+    full, short = ChainTask(4), ChainTask(4, hint="answer_only")
+    problems = full.problems(64, torch.Generator().manual_seed(0))
+    student, final = full.prompts(problems), full.results(problems)[:, -1]
+    hinted = short.teacher_prompts(problems)
+    assert hinted.shape == (64, student.shape[1] + 2)
+    assert torch.equal(hinted[:, 1], final) and torch.all(hinted[:, 2] == ID[":"])
+    assert torch.equal(hinted[:, :1], student[:, :1]) and torch.equal(hinted[:, 3:], student[:, 1:])
+    wrong = short.contrast_teacher_prompts(problems)
+    assert torch.equal(wrong[:, 1], (final + 5) % 10)
+    assert torch.equal(wrong[:, 2:], hinted[:, 2:]) and torch.equal(wrong[:, 0], hinted[:, 0])
+    every = full.teacher_prompts(problems)
+    assert torch.equal(every[:, 1 : 1 + full.length], full.results(problems))
+    with pytest.raises(ValueError, match=r"ChainTask\.hint"):
+        ChainTask(4, hint="worked_solution")
+
+
+def test_the_run_key_and_the_warm_start_key_differ_by_teacher_context():
+    from gear.gym import run_key
+    from gear.gym.model import warm_start_key
+
+    arm, rl = parse_arm("gear"), RLConfig()
+    full, short = ChainTask(4), ChainTask(4, hint="answer_only")
+    assert run_key(arm, 0, rl, "w", full) != run_key(arm, 0, rl, "w", short)
+    assert run_key(arm, 0, rl, "w", full) == run_key(arm, 0, rl, "w")  # the default context
+    assert warm_start_key(full, ModelConfig(), WarmStart()) != warm_start_key(
+        short, ModelConfig(), WarmStart()
+    )
+
+
+def test_an_answer_only_run_trains_and_records_its_context(tmp_path):
+    """End to end with the final-answer teacher: the warm start learns from answer-only hints,
+    a gear arm's update moves the parameters, and the JSON says which context ran."""
+    import gear.gym.model as gym_model
+
+    seen = []
+    real = gym_model.completion_logits
+
+    def spy(model, prompts, completions):
+        seen.append(prompts.shape[1])
+        return real(model, prompts, completions)
+
+    task = ChainTask(3, hint="answer_only")
+    gym_model.completion_logits = spy
+    try:
+        state, _ = gym_model.warm_start(task, TINY, MICRO_WARM, cache=tmp_path, log=lambda _: None)
+    finally:
+        gym_model.completion_logits = real
+    assert task.teacher_prompts(task.problems(1, torch.Generator())).shape[1] in seen
+    model = build_model(TINY, task)
+    model.load_state_dict(state)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    problems = task.problems(4, torch.Generator().manual_seed(3))
+    for seed in range(10):
+        out = rl_step(
+            model, opt, parse_arm("gear_departure_blame@estimator=k1"), task, MICRO_RL, problems,
+            torch.Generator().manual_seed(seed), credit_seed=seed,
+        )  # fmt: skip
+        if out["updated"]:
+            break
+    assert out["updated"] == 1.0
+    assert any(not torch.equal(state[k], v) for k, v in model.state_dict().items())
+    result = run(
+        ["grpo", "gear"], seeds=1, steps=2, length=3, hint="answer_only", rl=MICRO_RL,
+        model_cfg=TINY, warm=MICRO_WARM, loc_prompts=4, cache=tmp_path, log=lambda _: None,
+    )  # fmt: skip
+    assert result["task"]["hint"] == "answer_only"
+    assert len(result["arms"]["gear"]["per_seed"]) == 1

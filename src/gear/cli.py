@@ -373,6 +373,13 @@ def gym(
     seeds: Annotated[int, typer.Option(help="Seeds per arm (paired by seed).")] = 20,
     steps: Annotated[int, typer.Option(help="RL steps per run.")] = 60,
     length: Annotated[int, typer.Option(help="Chain length (steps per problem).")] = 4,
+    hint: Annotated[
+        str,
+        typer.Option(
+            help="What the teacher is shown: 'all_steps' (every intermediate result) or "
+            "'answer_only' (the final result alone)."
+        ),
+    ] = "all_steps",
     sweep: Annotated[
         list[float] | None, typer.Option("--sweep", help="tau_onset values for gear (repeatable).")
     ] = None,
@@ -394,8 +401,12 @@ def gym(
     ):
         if value < 1:
             _fail(f"--{name}: expected an integer >= 1, got {value}")
+    from gear.gym.task import HINTS
+
+    if hint not in HINTS:
+        _fail(f"--hint: expected one of {list(HINTS)}, got {hint!r}")
     result = gear.gym.run(
-        methods or None, seeds=seeds, steps=steps, length=length, quick=quick,
+        methods or None, seeds=seeds, steps=steps, length=length, hint=hint, quick=quick,
         sweep=sweep or (), workers=workers, out=out, plot_dir=plots,
     )  # fmt: skip
     # plain text: rich would wrap long arm names at the terminal's width and read "[...]"

@@ -66,8 +66,11 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
     )
 
 
-def run_key(arm: Arm, seed: int, rl: RLConfig, warm_digest: str) -> str:
-    """Everything that determines one (arm, seed) run: the warm-start weights, the arm as
+def run_key(
+    arm: Arm, seed: int, rl: RLConfig, warm_digest: str, task: ChainTask | None = None
+) -> str:
+    """Everything that determines one (arm, seed) run: the task (its hint, the teacher context,
+    included: runs of two contexts never share a key), the warm-start weights, the arm as
     parsed (method, estimator, every `CreditParams` value, oracle), the seed, the RL settings,
     torch's version and the source of the code a run executes (the gym's task, model and loop,
     `gear.credit`, and the module of the arm's method, so editing your own method reruns it)."""
@@ -79,6 +82,7 @@ def run_key(arm: Arm, seed: int, rl: RLConfig, warm_digest: str) -> str:
         files.append(Path(method_file))
     code = code_digest(files=dict.fromkeys(files))[:16]
     params = {
+        "task": asdict(task or ChainTask()),
         "warm": warm_digest,
         "method": arm.method,
         "estimator": arm.estimator,
@@ -166,6 +170,7 @@ def run(
     seeds: int | Sequence[int] = 20,
     steps: int = 60,
     length: int = 4,
+    hint: str = "all_steps",
     quick: bool = False,
     sweep: Sequence[float] = (),
     workers: int = 1,
@@ -187,6 +192,9 @@ def run(
             of `DEFAULT_ARMS`.
         seeds: a count (0..n-1) or explicit seeds. steps: RL steps per run.
         length: chain length (steps per problem). quick: `QUICK` sizes (overrides the above).
+        hint: the teacher context, what the teacher's hint holds (`gear.gym.task.HINTS`):
+            "all_steps" (every intermediate result) or "answer_only" (the final result; the
+            warm start then learns from hints in that format). Recorded in the JSON's `task`.
         sweep: `tau_onset` values; each adds a `gear@tau_onset=t` arm and a `sweep` entry.
         workers: processes (spawned; each uses one thread).
         threshold: the "steps to threshold" level (default warm-start exact accuracy + 0.15).
@@ -213,7 +221,8 @@ def run(
     arms = [parse_arm(s) for s in specs] + sweep_arms(sweep)
     if len({a.name for a in arms}) != len(arms):
         raise ValueError(f"gym: two arms share a name: {[a.name for a in arms]}")
-    task, model_cfg, warm = ChainTask(length), model_cfg or ModelConfig(), warm or WarmStart()
+    task, model_cfg = ChainTask(length, hint), model_cfg or ModelConfig()
+    warm = warm or WarmStart()
     _threads()
 
     state, warm_info = warm_start(task, model_cfg, warm, cache=cache, log=log)
@@ -227,7 +236,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     jobs = [
         (a.name, a.spec, s, task, model_cfg, state, rl,
-         run_dir / f"{run_key(a, s, rl, warm_digest)}.json")
+         run_dir / f"{run_key(a, s, rl, warm_digest, task)}.json")
         for s in seed_list for a in arms
     ]  # fmt: skip
     log(f"gym: {len(arms)} arms x {len(seed_list)} seeds x {steps} steps, {workers} worker(s)")

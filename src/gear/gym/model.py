@@ -1,8 +1,8 @@
 """The gym's model: a tiny Llama over the task's 16-token vocabulary, sampling, and the warm start.
 
 The warm start is supervised training on the right solutions, half the prompts with the
-ground-truth hint and half without, so that the *same* model is a competent hinted teacher and a
-modest student. It stops as soon as the sampled held-out accuracy without the hint reaches
+ground-truth hint (in the task's hint format: every result, or the final one alone) and half
+without, so that the *same* model is a competent hinted teacher and a modest student. It stops as soon as the sampled held-out accuracy without the hint reaches
 `target` (checked every `check_every` steps). The result is cached on disk, keyed by everything
 that determines it, so every seed and arm of a grid starts from the same weights.
 """
@@ -132,9 +132,19 @@ def cache_dir() -> Path:
     return cache_root() / "gym"
 
 
+def task_key(task: ChainTask) -> dict[str, Any]:
+    """The task's fields as a key; the hint is left out at its default, so the warm starts kept
+    before it existed (all_steps hints) keep their keys."""
+    key = asdict(task)
+    if key["hint"] == "all_steps":
+        del key["hint"]
+    return key
+
+
 def warm_start_key(task: ChainTask, cfg: ModelConfig, warm: WarmStart) -> str:
     blob = json.dumps(
-        {"task": asdict(task), "model": asdict(cfg), "warm": asdict(warm), "v": 1}, sort_keys=True
+        {"task": task_key(task), "model": asdict(cfg), "warm": asdict(warm), "v": 1},
+        sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -8,9 +8,12 @@ tokens ``6k .. 6k+5``. The reward is outcome-only: 1 iff the last step's result 
 mod 10. Because the right solution is unique, the first wrong *token* of a rollout is the first
 token that differs from it, and the first wrong *step* is the step that holds that token.
 
-The teacher sees the ground truth as a hint before the prompt (spec §4, plain-text prompts):
-the reference results, ``7562:3+4+8+1+6>``. Vocabulary: the ten digits and five symbols
-(`VOCAB`), no tokenizer library.
+The teacher sees the ground truth as a hint before the prompt (spec §4, plain-text prompts).
+What the hint holds is the task's `hint` (the teacher context): ``all_steps`` (the default) lists
+every reference result, ``7562:3+4+8+1+6>``, so the teacher can check each step;
+``answer_only`` holds the final result alone, ``2:3+4+8+1+6>``, as a teacher shown only the
+final answer of a real task. Vocabulary: the ten digits and five symbols (`VOCAB`), no tokenizer
+library.
 """
 
 from __future__ import annotations
@@ -25,17 +28,23 @@ ID = {tok: i for i, tok in enumerate(VOCAB)}
 BOS = ID["<bos>"]
 STEP_LEN = 6  # tokens of one step, "p+x=r;"
 RESULT_OFFSET = 4  # position of the result digit inside a step
+#: what the teacher's hint holds: every intermediate result, or the final one alone
+HINTS = ("all_steps", "answer_only")
 
 
 @dataclass(frozen=True)
 class ChainTask:
-    """Running sums mod 10 of `length` one-digit operands (the chain length is the knob)."""
+    """Running sums mod 10 of `length` one-digit operands (the chain length is the knob);
+    `hint`: what the teacher is shown (`HINTS`)."""
 
     length: int = 4
+    hint: str = "all_steps"
 
     def __post_init__(self) -> None:
         if not 1 <= self.length <= 12:
             raise ValueError(f"ChainTask.length: expected an integer in [1, 12], got {self.length}")
+        if self.hint not in HINTS:
+            raise ValueError(f"ChainTask.hint: expected one of {list(HINTS)}, got {self.hint!r}")
 
     @property
     def completion_len(self) -> int:
@@ -73,18 +82,30 @@ class ChainTask:
         ids[:, -1] = ID[">"]
         return ids
 
+    @property
+    def hint_len(self) -> int:
+        """Digits in the teacher's hint: `length` (all_steps) or 1 (answer_only)."""
+        return self.length if self.hint == "all_steps" else 1
+
+    def hint_digits(self, problems: Tensor) -> Tensor:
+        """(n, hint_len) the digits the teacher is shown: r1 ... rL, or rL alone."""
+        return self.results(problems)[:, -self.hint_len :]
+
     def teacher_prompts(self, problems: Tensor) -> Tensor:
-        """(n, 3 * length + 4) teacher prompt ids: <bos> r1 ... rL : s0 + x1 + ... + xL >."""
-        student = self.prompts(problems)
-        hint = torch.cat([self.results(problems), torch.full_like(problems[:, :1], ID[":"])], 1)
-        return torch.cat([student[:, :1], hint, student[:, 1:]], dim=1)
+        """(n, 2 * length + hint_len + 4) teacher prompt ids: <bos> hint : s0 + x1 + ... + xL >,
+        the hint being r1 ... rL (all_steps) or rL (answer_only)."""
+        return self._hinted(problems, self.hint_digits(problems))
 
     def contrast_teacher_prompts(self, problems: Tensor) -> Tensor:
-        """Teacher prompt ids with a wrong ground truth: every reference result shifted by 5
-        mod 10, so the hint is wrong at every step (the contrast teacher of `contrast=true`)."""
-        hinted = self.teacher_prompts(problems).clone()
-        hinted[:, 1 : 1 + self.length] = (hinted[:, 1 : 1 + self.length] + 5) % 10
-        return hinted
+        """Teacher prompt ids with a wrong ground truth: every hint digit shifted by 5 mod 10,
+        so the hint is wrong at every step it shows (the contrast teacher of `contrast=true`),
+        in the same format as `teacher_prompts`."""
+        return self._hinted(problems, (self.hint_digits(problems) + 5) % 10)
+
+    def _hinted(self, problems: Tensor, digits: Tensor) -> Tensor:
+        student = self.prompts(problems)
+        hint = torch.cat([digits, torch.full_like(problems[:, :1], ID[":"])], 1)
+        return torch.cat([student[:, :1], hint, student[:, 1:]], dim=1)
 
     def references(self, problems: Tensor) -> Tensor:
         """(n, 6 * length) ids of the one right solution."""
