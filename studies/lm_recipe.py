@@ -77,11 +77,13 @@ def settings_of(stage: str, setting: str, method: str) -> dict[str, Any]:
     return {**BASE, **SETTINGS[setting], "credit_method": method}
 
 
-def gear_command(name: str, keys: dict[str, Any], seed: int, resume: bool) -> list[str]:
+def gear_command(
+    name: str, keys: dict[str, Any], seed: int, resume: bool, runs: Path = RUNS
+) -> list[str]:
     exe = [sys.executable, "-m", "gear.cli", "train"]
     if resume:
-        return [*exe, "--resume", str(RUNS / name)]
-    args = [*exe, "--seed", str(seed), "--output-dir", str(RUNS / name)]
+        return [*exe, "--resume", str(runs / name)]
+    args = [*exe, "--seed", str(seed), "--output-dir", str(runs / name)]
     for key, value in keys.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, dict) else value}"]
     return args
@@ -90,44 +92,53 @@ def gear_command(name: str, keys: dict[str, Any], seed: int, resume: bool) -> li
 def run_one(stage: str, setting: str, method: str, seed: int, threads: int = 1) -> dict:
     """One run to its record (read back if kept; resumed if stopped)."""
     name = run_name(stage, setting, method, seed)
-    record = RECORDS / f"{name}.json"
+    meta = {"stage": stage, "setting": setting}
+    return train(name, settings_of(stage, setting, method), seed, meta, threads=threads)
+
+
+def train(
+    name: str,
+    keys: dict[str, Any],
+    seed: int,
+    meta: dict[str, Any],
+    runs: Path = RUNS,
+    records: Path = RECORDS,
+    threads: int = 1,
+) -> dict:
+    """`gear train --seed seed --set keys` as run `name`, to its record `records/<name>.json`
+    (read back if kept; resumed from its last checkpoint if stopped). `meta` joins the record."""
+    record = records / f"{name}.json"
     if record.is_file():
         return json.loads(record.read_text())
-    run_dir = RUNS / name
+    run_dir = runs / name
     resume = (run_dir / "config.yaml").is_file()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    RUNS.mkdir(parents=True, exist_ok=True)
-    log = RUNS / f"{name}.log"
+    runs.mkdir(parents=True, exist_ok=True)
+    log = runs / f"{name}.log"
     t0 = time.time()
     with log.open("a") as out:
         done = subprocess.run(
-            gear_command(name, settings_of(stage, setting, method), seed, resume),
+            gear_command(name, keys, seed, resume, runs),
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{name}: gear train exited with {done.returncode}; see {log}")
-    return keep(name, stage, setting, method, seed, time.time() - t0, resumed=resume)
+    return keep(run_dir, records, {"name": name, **meta, "seed": seed}, time.time() - t0, resume)
 
 
-def keep(
-    name: str, stage: str, setting: str, method: str, seed: int, wall: float, resumed: bool
-) -> dict:
-    """The record of a finished run, written atomically."""
+def keep(run_dir: Path, records: Path, meta: dict[str, Any], wall: float, resumed: bool) -> dict:
+    """The record of the finished run in `run_dir` (`meta` first), written atomically."""
     import torch
     import yaml
 
     from gear.run_callbacks import read_metrics
 
-    run_dir = RUNS / name
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = read_metrics(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if "reward" in m]
     record = {
-        "name": name,
-        "stage": stage,
-        "setting": setting,
+        **meta,
         "method": summary["method"],
-        "seed": seed,
         "config": yaml.safe_load((run_dir / "config.yaml").read_text()),
         "before": summary["eval_before"],
         "after": summary["eval_after"],
@@ -138,15 +149,15 @@ def keep(
         "resumed": resumed,
         "capability": torch.backends.cpu.get_cpu_capability(),
     }
-    return write_record(record)
+    return write_record(record, records)
 
 
-def write_record(record: dict) -> dict:
-    """Keep `record` as `RECORDS/<its name>.json`, atomically (a stop never leaves half a file)."""
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    tmp = RECORDS / f".{record['name']}.tmp"
+def write_record(record: dict, records: Path = RECORDS) -> dict:
+    """Keep `record` as `records/<its name>.json`, atomically (a stop never leaves half a file)."""
+    records.mkdir(parents=True, exist_ok=True)
+    tmp = records / f".{record['name']}.tmp"
     tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, RECORDS / f"{record['name']}.json")
+    os.replace(tmp, records / f"{record['name']}.json")
     return record
 
 

@@ -1,0 +1,323 @@
+"""The comparison that decides gear's default (issue 37): credit methods on the real LM that learns.
+
+The rule, written before any run: docs/evidence/2026-11-26-lm-learning-rule.md. Every run is
+`gear train` on the shipped recipe (GEARTrainer, one thread, a subprocess) with one arm's keys;
+arms are paired by seed and go round by round (seed 0 of every arm, then seed 1, ...), so a
+stop leaves complete pairs. Each finished run's record is written to
+`benchmarks/results/lm_learning_runs/<arm>-seed<s>.json` (commit it as it lands); a stopped run
+resumes from its checkpoint. `grpo` seeds 0-7 and `gear` seeds 0-4 are issue 35's runs of the
+identical config, reused as the rule says.
+
+    python studies/lm_learning.py grid --workers 1     # resumable; runs what is missing
+    python studies/lm_learning.py status              # finished runs per arm (no scores)
+    python studies/lm_learning.py report              # the rule's analysis -> lm_learning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lm_recipe  # the run machinery: gear train per run, records, resume
+
+ROOT = lm_recipe.ROOT
+RESULTS = lm_recipe.RESULTS
+RECORDS = RESULTS / "lm_learning_runs"
+RUNS = ROOT / "runs" / "lm_learning"  # checkpoints: not committed
+RULE = "docs/evidence/2026-11-26-lm-learning-rule.md"
+SEEDS = 11  # n_for_power(0.10, 0.0731, alpha=0.05/6): the rule's n
+EFFECT = 0.10  # the gain the rule is powered for
+PILOT_SD = 0.0731  # paired SD of gear - grpo, issue 35's seeds 0-4
+BASELINE = "grpo"
+
+#: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
+ARMS: dict[str, dict[str, Any]] = {
+    "grpo": {"credit_method": "grpo"},
+    "gear": {},
+    "gear_k1": {"kl_estimator": "k1"},
+    "rlsd": {"credit_method": "rlsd"},
+    "departure_blame_k1": {
+        "credit_method": "gear_departure_blame",
+        "kl_estimator": "k1",
+        "credit_modulation": "exp",
+        "credit_beta": 2.0,
+        "credit_w_min": 0.0,
+        "credit_w_max": 10.0,
+    },
+    "oar_g": {"credit_method": "oar_g"},
+    "gear_k1_context": {"kl_estimator": "k1", "teacher_context": None},  # C*: best_context()
+}
+CANDIDATES = [a for a in ARMS if a != BASELINE]
+
+#: issue 35's records of the identical configs (the rule's reused runs): arm -> (name, seeds)
+REUSED = {
+    "grpo": ("gate-lora16_lr5e-4-grpo-seed{seed}", range(8)),
+    "gear": ("main-default-default-seed{seed}", range(5)),
+}
+
+
+def best_context(path: Path = RESULTS / "teacher_contexts.json") -> str | None:
+    """C*: of answer_only and contrast, the larger placebo-corrected L of `gear` under k1 in
+    issue 36's complete result; None while that result is partial (the arm waits)."""
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    if result.get("partial", True):
+        return None
+    score = {
+        c: result["contexts"][c]["k1"]["methods"]["gear"]["L"]["corrected"]
+        for c in ("answer_only", "contrast")
+    }
+    return max(score, key=score.__getitem__)
+
+
+def keys_of(arm: str) -> dict[str, Any] | None:
+    """The arm's --set keys, None if it cannot run yet (C* undecided)."""
+    keys = dict(ARMS[arm])
+    if "teacher_context" in keys:
+        keys["teacher_context"] = best_context()
+        if keys["teacher_context"] is None:
+            return None
+    return keys
+
+
+def record(arm: str, seed: int) -> dict | None:
+    """The arm's finished run at `seed`: its own record or the rule's reused one."""
+    own = RECORDS / f"{arm}-seed{seed}.json"
+    if own.is_file():
+        return json.loads(own.read_text())
+    if arm in REUSED and seed in REUSED[arm][1]:
+        name = REUSED[arm][0].format(seed=seed)
+        return json.loads((lm_recipe.RECORDS / f"{name}.json").read_text()) | {
+            "arm": arm,
+            "reused_from": f"benchmarks/results/lm_recipe_runs/{name}.json",
+        }
+    return None
+
+
+def schedule(seeds: int) -> list[tuple[str, int]]:
+    """The missing (arm, seed) runs, round by round; arms that cannot run yet are left out."""
+    return [
+        (arm, s)
+        for s in range(seeds)
+        for arm in ARMS
+        if record(arm, s) is None and keys_of(arm) is not None
+    ]
+
+
+def run(arm: str, seed: int) -> dict:
+    keys = keys_of(arm)
+    if keys is None:
+        raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    meta = {"stage": "lm_learning", "arm": arm, "keys": keys, "commit": head.stdout.strip()}
+    return lm_recipe.train(f"{arm}-seed{seed}", keys, seed, meta, RUNS, RECORDS)
+
+
+def grid(seeds: int, workers: int) -> None:
+    jobs = schedule(seeds)
+    print(f"{len(jobs)} runs to go: {jobs}", flush=True)
+    if not jobs:
+        return
+    # every arm shares the held-out scores before training (cached once, keyed by the config)
+    lm_recipe.ensure_before("gate", "lora16_lr5e-4", "grpo")
+
+    def go(job: tuple[str, int]) -> None:
+        r = run(*job)
+        print(f"kept {r['name']} ({r['wall_s'] / 60:.1f} min)", flush=True)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(go, jobs))
+
+
+def status(seeds: int) -> None:
+    """Which runs exist (no held-out score is read: the rule forbids looking before the end)."""
+    for arm in ARMS:
+        done = [s for s in range(seeds) if record(arm, s) is not None]
+        print(f"{arm:20s} {len(done):2d}/{seeds}  seeds {done}")
+
+
+# ------------------------------------------------------------------------------ analysis
+
+
+def complete_rounds(seeds: int) -> int:
+    """The number of leading seeds 0..n-1 every arm has finished."""
+    n = 0
+    while n < seeds and all(record(a, n) is not None for a in ARMS):
+        n += 1
+    return n
+
+
+def primary(r: dict) -> float:
+    return r["after"]["mean_reward"]
+
+
+def analyse(runs: dict[str, list[dict]], alpha: float = 0.05) -> dict[str, Any]:
+    """The rule's analysis of `runs` (arm -> records of seeds 0..n-1, same n, paired by seed).
+
+    Returns {"gate", "comparisons" (candidate -> Bonferroni and 95% paired intervals vs the
+    baseline, power at EFFECT), "stability", "beats_baseline", "winner"}."""
+    from gear.evidence import learning_gate, paired, power_at
+
+    base = runs[BASELINE]
+    n = len(base)
+    gate = learning_gate(
+        [r["before"]["mean_reward"] for r in base],
+        [primary(r) for r in base],
+        [r["reward"] for r in base],
+        seeds=[r["seed"] for r in base],
+        metric="held-out mean reward (8 samples per problem at T=0.7, 200 problems)",
+    )
+    level = 1 - alpha / len(CANDIDATES)
+    stability = {
+        arm: {
+            "worst_seed": min(rs, key=primary)["seed"],
+            "worst": min(map(primary, rs)),
+            "below_before": [r["seed"] for r in rs if primary(r) < r["before"]["mean_reward"]],
+        }
+        for arm, rs in runs.items()
+    }
+    comparisons = {}
+    for arm in CANDIDATES:
+        a, b = [primary(r) for r in runs[arm]], [primary(r) for r in base]
+        d = paired(a, b, level)
+        comparisons[arm] = {
+            "bonferroni": d,
+            "ci95": paired(a, b)["ci"],
+            "level": level,
+            "power_at_effect": power_at(EFFECT, d["sd"], n, alpha / len(CANDIDATES)),
+            "greedy": paired(
+                [r["after"]["pass@1"] for r in runs[arm]], [r["after"]["pass@1"] for r in base]
+            ),
+        }
+    beats = [
+        arm
+        for arm, c in comparisons.items()
+        if gate["passed"] and c["bonferroni"]["ci"][0] > 0 and not stability[arm]["below_before"]
+    ]
+    winner = None
+    if beats:
+        best = max(comparisons[a]["bonferroni"]["mean"] for a in beats)
+        near = [a for a in beats if comparisons[a]["bonferroni"]["mean"] >= best - 0.01]
+        winner = min(near, key=lambda a: seconds_per_step(runs[a]))
+    return {
+        "gate": gate,
+        "comparisons": comparisons,
+        "stability": stability,
+        "beats_baseline": beats,
+        "winner": winner,
+        "grpo_beats_gear": comparisons["gear"]["bonferroni"]["ci"][1] < 0,
+    }
+
+
+def seconds_per_step(rs: list[dict]) -> float:
+    return statistics.median(s for r in rs for s in r["step_seconds"] if s is not None)
+
+
+def report(seeds: int, out: Path) -> dict:
+    import torch
+
+    from gear.evidence import first_commit
+
+    n = complete_rounds(seeds)
+    if n < 2:
+        raise SystemExit(f"report: {n} complete rounds; the analysis needs every arm's seeds")
+    runs = {arm: [record(arm, s) for s in range(n)] for arm in ARMS}
+    result = {
+        "arms": {arm: keys_of(arm) for arm in ARMS},
+        "seeds": list(range(n)),
+        "seeds_asked": seeds,
+        "complete": n >= seeds,
+        "steps": runs[BASELINE][0]["config"]["trainer"]["max_steps"],
+        "metric": "held-out mean reward: 200 problems x 8 samples at T=0.7 (eval_seed 0)",
+        "rule_commit": first_commit(RULE, ROOT),
+        "power": {"pilot_sd": PILOT_SD, "effect": EFFECT, "alpha": 0.05 / len(CANDIDATES)},
+        "paired": "by seed (prompts, sampling, LoRA init)",
+        "per_seed": {
+            arm: [
+                {
+                    "seed": r["seed"],
+                    "after": primary(r),
+                    "greedy": r["after"]["pass@1"],
+                    "reused_from": r.get("reused_from"),
+                    "resumed": r["resumed"],
+                }
+                for r in rs
+            ]
+            for arm, rs in runs.items()
+        },
+        "before": runs[BASELINE][0]["before"]["mean_reward"],
+        "seconds_per_step": {arm: seconds_per_step(rs) for arm, rs in runs.items()},
+        "machine": sorted({r["capability"] for rs in runs.values() for r in rs}),
+        "torch": torch.__version__,
+    }
+    result |= analyse(runs)
+    result["decision"] = decision(result)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print_table(result)
+    return result
+
+
+def decision(result: dict) -> str:
+    if not result["gate"]["passed"]:
+        return "gate failed: no method compared; the default does not change"
+    if not result["complete"]:
+        partial = f"{len(result['seeds'])} of {result['seeds_asked']} rounds"
+        if result["winner"] is None:
+            return f"incomplete ({partial}): nothing beats grpo yet; the default does not change"
+    if result["winner"] is None:
+        return "no candidate beats grpo: gear train keeps the paper's GEAR"
+    return f"{result['winner']} beats grpo: its placebo runs next (the rule, step 4)"
+
+
+def print_table(result: dict) -> None:
+    print(f"gate: passed={result['gate']['passed']}  seeds {result['seeds']}")
+    level = round(100 * (1 - result["power"]["alpha"]), 2)
+    print(f"| arm | mean after | − grpo [{level}%] | 95% | power at {EFFECT} | worst seed |")
+    print("|---|---|---|---|---|---|")
+    for arm, rs in result["per_seed"].items():
+        mean = statistics.mean(r["after"] for r in rs)
+        c = result["comparisons"].get(arm)
+        cells = (
+            f"{c['bonferroni']['mean']:+.3f} [{c['bonferroni']['ci'][0]:+.3f}, "
+            f"{c['bonferroni']['ci'][1]:+.3f}] | [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] "
+            f"| {c['power_at_effect']:.2f}"
+            if c
+            else "— | — | —"
+        )
+        worst = result["stability"][arm]
+        print(
+            f"| {arm} | {mean:.3f} | {cells} | {worst['worst']:.3f} (seed {worst['worst_seed']}) |"
+        )
+    print(f"decision: {result['decision']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("stage", choices=["grid", "status", "report"])
+    ap.add_argument("--seeds", type=int, default=SEEDS)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=RESULTS / "lm_learning.json")
+    a = ap.parse_args(argv)
+    if a.seeds < 2 or a.workers < 1:
+        ap.error("--seeds: at least 2; --workers: at least 1")
+    if a.stage == "grid":
+        grid(a.seeds, a.workers)
+    elif a.stage == "status":
+        status(a.seeds)
+    else:
+        report(a.seeds, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

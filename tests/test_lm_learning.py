@@ -1,0 +1,121 @@
+"""The real-LM comparison's machinery (studies/lm_learning.py, issue 37): the arms' keys, the
+round-by-round schedule with the rule's reused runs, the choice of the context arm, and the
+rule's analysis on synthetic records. No training runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
+import lm_learning as ll
+
+
+def fake(arm: str, seed: int, after: float, before: float = 0.3) -> dict:
+    return {
+        "name": f"{arm}-seed{seed}",
+        "seed": seed,
+        "before": {"mean_reward": before},
+        "after": {"mean_reward": after, "pass@1": after},
+        "reward": [0.2, 0.3, 0.4],
+        "step_seconds": [60.0],
+        "resumed": False,
+    }
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """Empty record folders for both studies, and no teacher-context result."""
+    monkeypatch.setattr(ll, "RECORDS", tmp_path / "lm_learning_runs")
+    monkeypatch.setattr(ll.lm_recipe, "RECORDS", tmp_path / "lm_recipe_runs")
+    monkeypatch.setattr(ll, "RESULTS", tmp_path)
+    monkeypatch.setattr(ll, "best_context", lambda path=None: None)
+    (tmp_path / "lm_recipe_runs").mkdir()
+    return tmp_path
+
+
+def test_every_arm_is_the_default_recipe_with_keys_gear_train_accepts():
+    from gear.integrations.trl import GEARConfig
+    from gear.run import resolve_config
+
+    for arm, keys in ll.ARMS.items():
+        keys = {**keys, "teacher_context": "contrast"} if "teacher_context" in keys else keys
+        cfg = resolve_config(None, keys)
+        GEARConfig(output_dir="/tmp/x", **{**cfg.trainer, "bf16": False, "use_cpu": True})
+        if arm == "gear":
+            assert cfg.trainer["credit_method"] == "gear" and cfg.trainer["kl_estimator"] == "full"
+
+
+def test_schedule_goes_round_by_round_and_reads_the_reused_runs(dirs):
+    for s in range(8):  # issue 35's gate runs are the grpo arm's seeds 0-7
+        path = dirs / "lm_recipe_runs" / f"gate-lora16_lr5e-4-grpo-seed{s}.json"
+        path.write_text(json.dumps(fake("grpo", s, 0.7)))
+    for s in range(5):  # and the main job's runs gear's seeds 0-4
+        path = dirs / "lm_recipe_runs" / f"main-default-default-seed{s}.json"
+        path.write_text(json.dumps(fake("gear", s, 0.7)))
+    jobs = ll.schedule(6)
+    # seed 0 of every runnable arm before any seed 1; grpo and gear reused; the context arm waits
+    assert [a for a, s in jobs if s == 0] == ["gear_k1", "rlsd", "departure_blame_k1", "oar_g"]
+    assert jobs.index(("oar_g", 0)) < jobs.index(("gear_k1", 1))
+    assert ("gear", 5) in jobs and not any(a == "gear" and s < 5 for a, s in jobs)
+    assert all(a != "grpo" for a, _ in jobs)
+    assert ll.record("grpo", 3)["reused_from"].endswith("gate-lora16_lr5e-4-grpo-seed3.json")
+    assert ll.record("grpo", 8) is None
+
+
+def test_context_arm_takes_the_larger_corrected_L_under_k1_and_waits_while_partial(tmp_path):
+    def result(partial: bool, ao: float, co: float) -> Path:
+        def ctx(v):
+            return {"k1": {"methods": {"gear": {"L": {"corrected": v}}}}}
+
+        path = tmp_path / "tc.json"
+        path.write_text(
+            json.dumps(
+                {"partial": partial, "contexts": {"answer_only": ctx(ao), "contrast": ctx(co)}}
+            )
+        )
+        return path
+
+    assert ll.best_context(result(True, 0.3, 0.1)) is None
+    assert ll.best_context(result(False, 0.3, 0.1)) == "answer_only"
+    assert ll.best_context(result(False, 0.1, 0.3)) == "contrast"
+    assert ll.best_context(tmp_path / "missing.json") is None
+
+
+def runs_with(gains: dict[str, list[float]], base: list[float]) -> dict[str, list[dict]]:
+    runs = {"grpo": [fake("grpo", s, a) for s, a in enumerate(base)]}
+    for arm in ll.CANDIDATES:
+        g = gains.get(arm, [0.0] * len(base))
+        runs[arm] = [fake(arm, s, a + d) for s, (a, d) in enumerate(zip(base, g, strict=True))]
+    return runs
+
+
+BASE = [0.62, 0.70, 0.66, 0.74, 0.68, 0.71, 0.65, 0.69]  # after; before 0.3 (the gate passes)
+
+
+def test_analysis_picks_only_a_stable_candidate_whose_bonferroni_interval_clears_zero():
+    clear = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
+    noisy = [0.2, -0.15, 0.25, -0.1, 0.3, -0.05, 0.2, -0.1]  # mean > 0, interval spans 0
+    out = ll.analyse(runs_with({"gear_k1": clear, "rlsd": noisy}, BASE))
+    assert out["gate"]["passed"]
+    assert out["beats_baseline"] == ["gear_k1"] and out["winner"] == "gear_k1"
+    assert out["comparisons"]["gear_k1"]["level"] == pytest.approx(1 - 0.05 / 6)
+    # the Bonferroni interval is wider than the 95% one
+    c = out["comparisons"]["rlsd"]
+    assert c["bonferroni"]["ci"][0] < c["ci95"][0]
+    # the same clear gain on an arm with one seed below its warm start: unstable, not chosen
+    runs = runs_with({"oar_g": clear}, BASE)
+    runs["oar_g"][3]["after"]["mean_reward"] = 0.25
+    out = ll.analyse(runs)
+    assert out["stability"]["oar_g"]["below_before"] == [3]
+    assert "oar_g" not in out["beats_baseline"]
+
+
+def test_no_comparison_when_the_baseline_does_not_learn():
+    flat = [0.31, 0.29, 0.30, 0.28, 0.32, 0.29, 0.30, 0.31]  # grpo does not beat before (0.3)
+    out = ll.analyse(runs_with({"gear": [0.2] * 8}, flat))
+    assert not out["gate"]["passed"]
+    assert out["winner"] is None and out["beats_baseline"] == []
