@@ -23,6 +23,13 @@ vLLM teacher needs). Its teacher seconds per step go to step.json under `teacher
     .venv-vllm/bin/python benchmarks/step.py --teacher-engine vllm --no-bf16 --completions 8 \
         --generations 4 --completion-length 32 --steps 3 --repeats 1
 
+`--methods grpo,gear,gear_contrast` adds GEAR with `teacher_context="contrast"` (issue 36: the
+right-answer teacher's KL minus a wrong-answer teacher's, one more teacher pass, timed as
+`contrast_s`); its figures go to step.json under `teacher_context_contrast`:
+
+    .venv/bin/python benchmarks/step.py --no-bf16 --lora 16 --completions 32 --generations 4 \
+        --completion-length 32 --temperature 0.7 --methods grpo,gear,gear_contrast
+
 With `--lora R` every arm trains a LoRA adapter of rank R (gear train's `lora_r`: the same
 PEFT config for TRL's trainer and GEAR's); its result is kept under `lora_r<R>` in step.json
 beside the full fine-tuning figures.
@@ -51,8 +58,8 @@ CHECKPOINTING = (
     if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
     else "gradient_checkpointing"
 )
-GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "credit")
-METHODS = ("grpo", "gear", "gear_unshared")
+GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "contrast", "credit")
+METHODS = ("grpo", "gear", "gear_unshared", "gear_contrast")
 
 
 class StepClock(TrainerCallback):
@@ -130,6 +137,8 @@ def run(
             credit_log_steps=0,
             prefix_sharing=method != "gear_unshared",
         ) | (extra or {})
+        if method == "gear_contrast":  # the right-answer teacher minus a wrong-answer one
+            gear["teacher_context"] = "contrast"
         if extra:  # the vLLM arms: gear.run needs the newer transformers of .venv
             from gear.integrations.trl import GEARConfig, GEARTrainer
 
@@ -214,9 +223,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--methods",
-        default=",".join(METHODS),
-        help="comma-separated, from grpo, gear (prefix sharing on), gear_unshared (off); "
-        "grpo and gear are required",
+        default="grpo,gear,gear_unshared",
+        help="comma-separated, from grpo, gear (prefix sharing on), gear_unshared (off), "
+        "gear_contrast (teacher_context='contrast': one more teacher pass, kept under "
+        "'teacher_context_contrast'); grpo and gear are required",
     )
     ap.add_argument("--name", default="step")
     ap.add_argument(
@@ -271,6 +281,7 @@ def main() -> None:
         "teacher_s",
         "student_s",
         "signals_s",
+        "contrast_s",
         "credit_s",
         "rest_s",
     ]
@@ -319,6 +330,19 @@ def main() -> None:
             f"{before['teacher_s']:.2f} s -> {gear['teacher_s']:.2f} s "
             f"({100 * extra['teacher_share_of_unshared']:.0f}%)"
         )
+    if "gear_contrast" in by:
+        contrast = by["gear_contrast"]
+        extra |= {
+            "ratio_contrast": contrast["wall_s"] / grpo["wall_s"],
+            "contrast_over_gear": contrast["wall_s"] / gear["wall_s"],
+            "contrast_pass_s": contrast["contrast_s"],
+            "teacher_s_contrast": contrast["teacher_s"],
+        }
+        print(
+            f"GEAR with the contrast teacher / GRPO: {extra['ratio_contrast']:.3f}, / GEAR: "
+            f"{extra['contrast_over_gear']:.3f}   its second teacher pass "
+            f"{contrast['contrast_s']:.2f} s"
+        )
     result = {
         "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},
         "precision": "bf16 autocast" if args.bf16 else "float32",
@@ -331,10 +355,13 @@ def main() -> None:
         **extra,
         "credit_share": credit_share,
     }
-    if args.lora:  # beside the full fine-tuning figures of the same file
+    # beside the full fine-tuning figures of the same file: a LoRA run, a contrast run
+    key = f"lora_r{args.lora}" if args.lora else None
+    key = "teacher_context_contrast" if "gear_contrast" in methods else key
+    if key:
         path = RESULTS / f"{args.name}.json"
         kept = json.loads(path.read_text()) if path.is_file() else {}
-        result = kept | {f"lora_r{args.lora}": result}
+        result = kept | {key: result}
     write_json(args.name, result)
 
 

@@ -65,9 +65,13 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
         assert all(r["method"] == method and r["wall_s"] > 0 for r in result)
         ran_teacher = [r["teacher_s"] > 0 for r in result]
         assert ran_teacher == [method != "grpo"] * 2, method
-    assert [a.prefix_sharing for a in built] == [True, False]  # gear, gear_unshared
+        # only the contrast arm runs (and times) the wrong-answer teacher's pass
+        assert [r["contrast_s"] > 0 for r in result] == [method == "gear_contrast"] * 2, method
+    # gear, gear_unshared, gear_contrast
+    assert [a.prefix_sharing for a in built] == [True, False, True]
+    assert [a.teacher_context for a in built] == ["worked_solution"] * 2 + ["contrast"]
     assert all(a.credit_method == "gear" and a.credit_log_steps == 0 for a in built)
     assert all(a.save_strategy == "no" and a.learning_rate == 1e-2 for a in built)
-    assert len(adapters) == 3 and all(
+    assert len(adapters) == 4 and all(
         [c.r for c in a.values()] == ([lora] if lora else []) for a in adapters
     )
