@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -305,6 +305,29 @@ def random(x: CreditInputs, p: CreditParams) -> MethodOutput:
     rank = keys.argsort(dim=1).argsort(dim=1)
     starts = x.valid & (rank < k)
     return segmented(x, p, starts, stops=torch.zeros_like(starts))
+
+
+#: the signals `random_shape` passes on to the method whose weights it shuffles (a teacher pass
+#: gives all four; a candidate that needs another signal is refused by `CreditParams`)
+SHAPE_SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
+
+
+@register_method("random_shape", requires=SHAPE_SIGNALS)
+def random_shape(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """Shape-matched placebo (ours): the weights of `shape_method` (run with the same params),
+    each row's valid weights moved to a random permutation of the row's valid positions
+    (seeded by `seed`). Every row keeps its multiset of weights, so the same concentration,
+    the same mass and the same sign-awareness; only where the weight lands is random. A
+    candidate that beats it places its weight better than chance at equal strength.
+
+    Shapes: the candidate's weights (N, T) -> permuted weights (N, T), 1 at invalid tokens."""
+    w = METHODS[p.shape_method].fn(x, replace(p, method=p.shape_method)).weights
+    gen = torch.Generator(device="cpu").manual_seed(p.seed)
+    keys = torch.rand(x.valid.shape, generator=gen, dtype=torch.float64).to(x.valid.device)
+    src = (~x.valid).to(torch.int8).argsort(dim=1, stable=True)  # valid positions, in order
+    dst = torch.where(x.valid, keys, 2.0).argsort(dim=1)  # valid positions, in random order
+    moved = torch.ones_like(w).scatter(1, dst, w.gather(1, src))  # invalid slots take 1s
+    return MethodOutput(weights=torch.where(x.valid, moved, 1.0))
 
 
 @register_method("rlsd", requires=("student_logprobs", "teacher_logprobs"))

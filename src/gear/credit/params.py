@@ -51,7 +51,16 @@ class CreditParams:
     rho: float = field(
         default=0.2, metadata={"help": "Fraction of highest-entropy tokens kept (entropy_top)."}
     )
-    seed: int = field(default=0, metadata={"help": "Seed of the 'random' method."})
+    seed: int = field(
+        default=0, metadata={"help": "Seed of the 'random' and 'random_shape' methods."}
+    )
+    shape_method: str = field(
+        default="gear",
+        metadata={
+            "help": "random_shape: the candidate method whose per-row weights it permutes to "
+            "random valid positions (the shape-matched placebo of that method)."
+        },
+    )
     oar_answer_len: int = field(
         default=2,
         metadata={
@@ -82,7 +91,7 @@ class CreditParams:
     )
 
     def __post_init__(self) -> None:
-        from gear.credit.methods import METHODS  # local: the registry imports this module
+        from gear.credit.methods import METHODS, SHAPE_SIGNALS  # local: they import this module
 
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(
@@ -95,6 +104,15 @@ class CreditParams:
                 raise bad(f.name, "a finite number")
         if self.method not in METHODS:
             raise bad("method", f"one of {sorted(METHODS)}")
+        if self.shape_method not in METHODS or self.shape_method == "random_shape":
+            raise bad(
+                "shape_method", f"a credit method other than 'random_shape' {sorted(METHODS)}"
+            )
+        extra = set(METHODS[self.shape_method].requires) - set(SHAPE_SIGNALS)
+        if extra:
+            raise bad(
+                "shape_method", f"a method that needs only {SHAPE_SIGNALS} (not {sorted(extra)})"
+            )
         if self.modulation not in MODULATIONS:
             raise bad("modulation", f"one of {list(MODULATIONS)}")
         if not 0 < self.tau_onset <= 1:

@@ -101,6 +101,7 @@ class GEARConfig(GRPOConfig):
     credit_oar_quantile: float = _credit_field("oar_quantile")
     credit_oar_boost: float = _credit_field("oar_boost")
     credit_oar_floor: float = _credit_field("oar_floor")
+    credit_shape_method: str = _credit_field("shape_method")
     credit_seed: int = field(
         default=_CREDIT_FIELDS["seed"].default,
         metadata={
