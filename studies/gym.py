@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         default="all_steps",
         help="what the teacher is shown: every intermediate result or the final one alone",
     )
+    ap.add_argument(
+        "--warm-starts",
+        type=int,
+        default=1,
+        help="warm starts (initialisation seeds); seed i trains from warm start i mod this",
+    )
     ap.add_argument("--sweep", type=float, nargs="*", default=[], help="tau_onset values")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument(
@@ -47,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="default: results/gym.json (--quick: gym_quick.json)")
     ap.add_argument("--plots", type=Path, help="default: results/gym/ (--quick: gym_quick/)")
     a = ap.parse_args(argv)
-    for name in ("seeds", "steps", "length", "workers"):
+    for name in ("seeds", "steps", "length", "workers", "warm_starts"):
         if getattr(a, name) < 1:
-            ap.error(f"--{name}: expected an integer >= 1, got {getattr(a, name)}")
+            ap.error(
+                f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}"
+            )
     stem = "gym_quick" if a.quick else "gym"  # a smoke test never overwrites the grid's result
     if a.hint != "all_steps":  # nor does another teacher context
         stem += f"_{a.hint}"
@@ -61,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=a.steps,
         length=a.length,
         hint=a.hint,
+        warm_starts=a.warm_starts,
         quick=a.quick,
         sweep=a.sweep,
         workers=a.workers,

@@ -424,6 +424,13 @@ def test_the_run_key_and_the_warm_start_key_differ_by_teacher_context():
     assert warm_start_key(full, ModelConfig(), WarmStart()) != warm_start_key(
         short, ModelConfig(), WarmStart()
     )
+    both = WarmStart(hints="both")  # one warm start for both contexts
+    assert warm_start_key(full, ModelConfig(), both) == warm_start_key(short, ModelConfig(), both)
+    assert warm_start_key(full, ModelConfig(), both) != warm_start_key(
+        full, ModelConfig(), WarmStart()
+    )
+    with pytest.raises(ValueError, match=r"WarmStart\.hints"):
+        WarmStart(hints="answer_only")
 
 
 def test_an_answer_only_run_trains_and_records_its_context(tmp_path):
@@ -464,3 +471,81 @@ def test_an_answer_only_run_trains_and_records_its_context(tmp_path):
     )  # fmt: skip
     assert result["task"]["hint"] == "answer_only"
     assert len(result["arms"]["gear"]["per_seed"]) == 1
+
+
+# ----------------------------------------------------------------------------- fairness
+
+
+def test_an_arm_can_carry_its_own_learning_rate(tmp_path):
+    """`grpo@lr=...`: GRPO at several rates as arms; the rate keys the run and is used."""
+    from gear.gym import run_key
+    from gear.gym.model import warm_start
+    from gear.gym.train import train_arm
+
+    arm = parse_arm("grpo@lr=1e-3")
+    assert (arm.method, arm.lr, dict(arm.overrides)) == ("grpo", 1e-3, {})
+    assert parse_arm("grpo").lr is None
+    assert run_key(arm, 0, RLConfig(), "w") != run_key(parse_arm("grpo"), 0, RLConfig(), "w")
+    with pytest.raises(ValueError, match="lr must be a number > 0"):
+        parse_arm("grpo@lr=0")
+    task = ChainTask(3)
+    state, _ = warm_start(task, TINY, MICRO_WARM, cache=tmp_path, log=lambda _: None)
+    rl = replace(MICRO_RL, steps=3, lr=1e-2)
+    frozen = train_arm(parse_arm("grpo@lr=1e-12"), 0, task, TINY, state, rl, log=lambda _: None)
+    moving = train_arm(parse_arm("grpo"), 0, task, TINY, state, rl, log=lambda _: None)
+    start = frozen["curve"][0]["exact"]
+    assert abs(frozen["curve"][-1]["exact"] - start) <= 1e-4 * start  # (tiny: start ~1e-21)
+    assert abs(moving["curve"][-1]["exact"] - start) > 1e-2 * start
+
+
+def test_seeds_spread_over_warm_starts_and_the_summary_reports_both_spreads(tmp_path):
+    """warm_starts=3: seed i trains from warm start i mod 3 (its own initialisation, data
+    and held-out set); each arm reports its change vs the warm start, the worst seed and the
+    SD within and between warm starts."""
+    result = run(
+        ["grpo", "grpo@lr=1e-2"], seeds=6, steps=2, length=3, warm_starts=3, rl=MICRO_RL,
+        model_cfg=TINY, warm=MICRO_WARM, loc_prompts=4, cache=tmp_path, log=lambda _: None,
+    )  # fmt: skip
+    assert [w["warm"] for w in result["warm_starts"]] == [0, 1, 2]
+    assert len({w["key"] for w in result["warm_starts"]}) == 3
+    assert {r["seed"]: r["warm"] for r in result["runs"]} == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2}
+    starts = {r["warm"]: r["curve"][0]["exact"] for r in result["runs"] if r["arm"] == "grpo"}
+    assert len(set(starts.values())) == 3  # three different warm starts
+    assert result["arm_lr"] == {"grpo": MICRO_RL.lr, "grpo@lr=1e-2": 1e-2}
+    for arm in result["arms"].values():
+        rows = arm["seed_table"]
+        assert [r["seed"] for r in rows] == list(range(6))
+        assert all(r["change"] == pytest.approx(r["final"] - r["start"]) for r in rows)
+        assert arm["change"] == pytest.approx(sum(r["change"] for r in rows) / 6)
+        assert arm["worst_seed"]["change"] == min(r["change"] for r in rows)
+        assert arm["below_warm_start"] == sum(r["change"] < 0 for r in rows)
+        spread = arm["warm_spread"]
+        means = [sum(r["change"] for r in rows if r["warm"] == w) / 2 for w in range(3)]
+        assert list(spread["mean_by_warm"].values()) == pytest.approx(means)
+        pooled = sum((r["change"] - means[r["warm"]]) ** 2 for r in rows) / 3
+        assert spread["within_sd"] == pytest.approx(pooled**0.5)
+
+
+def test_the_teacher_phase_trains_on_the_digits_the_hint_shows(monkeypatch, tmp_path):
+    """hints="both", hinted_target > 0: the student phase with all-steps hints (the default
+    warm start's), then hinted rows only in both formats, the loss on the result digits the
+    hint gives away (every step's for all_steps, the last one for answer_only)."""
+    import gear.gym.model as gym_model
+
+    full, short = ChainTask(3), ChainTask(3, hint="answer_only")
+    result_digits = [STEP_LEN * k + 4 for k in range(3)]
+    assert full.hinted_positions().nonzero().flatten().tolist() == result_digits
+    assert short.hinted_positions().nonzero().flatten().tolist() == result_digits[-1:]
+    seen = []
+    real = gym_model.completion_logits
+    monkeypatch.setattr(
+        gym_model, "completion_logits", lambda m, p, c: seen.append(p.shape[1]) or real(m, p, c)
+    )
+    warm = replace(MICRO_WARM, target=0.0, hints="both", hinted_target=0.99)
+    _, info = gym_model.warm_start(short, TINY, warm, cache=tmp_path, log=lambda _: None)
+    assert (info["student_steps"], info["steps"]) == (5, 10)  # the phase ran to max_steps
+    # prompt lengths: student 9, answer-only teacher 11, all-steps teacher 13; exact_accuracy's
+    # pass at step 5 reads the student's
+    trained = [n for n in seen if n != 9]
+    assert trained[:5] == [13] * 5 and trained[5:] == [13, 11] * 5
+    assert set(info["hinted_accuracy_by_hint"]) == {"all_steps", "answer_only"}

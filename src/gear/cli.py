@@ -380,6 +380,9 @@ def gym(
             "'answer_only' (the final result alone)."
         ),
     ] = "all_steps",
+    warm_starts: Annotated[
+        int, typer.Option(help="Warm starts (initialisation seeds); seed i uses i mod this.")
+    ] = 1,
     sweep: Annotated[
         list[float] | None, typer.Option("--sweep", help="tau_onset values for gear (repeatable).")
     ] = None,
@@ -398,6 +401,7 @@ def gym(
         ("steps", steps),
         ("length", length),
         ("workers", workers),
+        ("warm-starts", warm_starts),
     ):
         if value < 1:
             _fail(f"--{name}: expected an integer >= 1, got {value}")
@@ -406,7 +410,8 @@ def gym(
     if hint not in HINTS:
         _fail(f"--hint: expected one of {list(HINTS)}, got {hint!r}")
     result = gear.gym.run(
-        methods or None, seeds=seeds, steps=steps, length=length, hint=hint, quick=quick,
+        methods or None, seeds=seeds, steps=steps, length=length, hint=hint,
+        warm_starts=warm_starts, quick=quick,
         sweep=sweep or (), workers=workers, out=out, plot_dir=plots,
     )  # fmt: skip
     # plain text: rich would wrap long arm names at the terminal's width and read "[...]"

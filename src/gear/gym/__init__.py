@@ -67,11 +67,17 @@ def state_hash(state: dict[str, torch.Tensor]) -> str:
 
 
 def run_key(
-    arm: Arm, seed: int, rl: RLConfig, warm_digest: str, task: ChainTask | None = None
+    arm: Arm,
+    seed: int,
+    rl: RLConfig,
+    warm_digest: str,
+    task: ChainTask | None = None,
+    held_out: int = 0,
 ) -> str:
     """Everything that determines one (arm, seed) run: the task (its hint, the teacher context,
-    included: runs of two contexts never share a key), the warm-start weights, the arm as
-    parsed (method, estimator, every `CreditParams` value, oracle), the seed, the RL settings,
+    included: runs of two contexts never share a key), the warm-start weights, the held-out
+    set, the arm as parsed (method, estimator, its own lr, every `CreditParams` value, oracle),
+    the seed, the RL settings,
     torch's version and the source of the code a run executes (the gym's task, model and loop,
     `gear.credit`, and the module of the arm's method, so editing your own method reruns it)."""
     here = Path(__file__).parent
@@ -87,6 +93,8 @@ def run_key(
         "method": arm.method,
         "estimator": arm.estimator,
         "oracle": arm.oracle,
+        "lr": arm.lr,
+        "held_out": held_out,
         "params": asdict(arm.params(seed)),
         "seed": seed,
         "rl": asdict(rl),
@@ -97,11 +105,12 @@ def run_key(
 
 def _job(args: tuple) -> dict[str, Any]:
     """One (arm, seed) run, or its saved result: a stopped grid resumes where it stopped."""
-    name, spec, seed, task, model_cfg, state, rl, path = args
+    name, spec, seed, task, model_cfg, state, rl, w, path = args
     if path is not None and path.is_file():
-        return {**json.loads(path.read_text()), "arm": name, "reused": True}
+        return {**json.loads(path.read_text()), "arm": name, "warm": w, "reused": True}
     _threads()
-    result = train_arm(parse_arm(spec, name), seed, task, model_cfg, state, rl)
+    arm = parse_arm(spec, name)
+    result = {**train_arm(arm, seed, task, model_cfg, state, rl, held_out=w), "warm": w}
     if path is not None:
         write_json(path, result)  # atomic: a killed worker leaves no half-written result
     return result
@@ -171,6 +180,7 @@ def run(
     steps: int = 60,
     length: int = 4,
     hint: str = "all_steps",
+    warm_starts: int = 1,
     quick: bool = False,
     sweep: Sequence[float] = (),
     workers: int = 1,
@@ -195,6 +205,11 @@ def run(
         hint: the teacher context, what the teacher's hint holds (`gear.gym.task.HINTS`):
             "all_steps" (every intermediate result) or "answer_only" (the final result; the
             warm start then learns from hints in that format). Recorded in the JSON's `task`.
+        warm_starts: how many warm starts; seed i (in the order given) trains from warm start
+            i mod warm_starts, whose model initialisation, warm-start data and held-out set are
+            drawn with `ModelConfig.init_seed` + w, `WarmStart.seed` + w and held-out set w.
+            Warm start 0 is the single warm start of `warm_starts=1`; the JSON reports the
+            spread of each arm within and between warm starts. Localisation reads warm start 0.
         sweep: `tau_onset` values; each adds a `gear@tau_onset=t` arm and a `sweep` entry.
         workers: processes (spawned; each uses one thread).
         threshold: the "steps to threshold" level (default warm-start exact accuracy + 0.15).
@@ -203,7 +218,10 @@ def run(
     """
     t0 = time.perf_counter()
     rl = rl or RLConfig()
-    for name, value in (("steps", steps), ("workers", workers), ("loc_prompts", loc_prompts)):
+    for name, value in (
+        ("steps", steps), ("workers", workers), ("loc_prompts", loc_prompts),
+        ("warm_starts", warm_starts),
+    ):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"gym: {name}: expected an integer >= 1, got {value!r}")
     if isinstance(seeds, int) and seeds < 1:
@@ -225,8 +243,14 @@ def run(
     warm = warm or WarmStart()
     _threads()
 
-    state, warm_info = warm_start(task, model_cfg, warm, cache=cache, log=log)
-    warm_digest = state_hash(state)
+    starts = []  # (model config, state, info, digest) of warm start w
+    for w in range(warm_starts):
+        cfg_w = replace(model_cfg, init_seed=model_cfg.init_seed + w)
+        state_w, info_w = warm_start(
+            task, cfg_w, replace(warm, seed=warm.seed + w), cache=cache, log=log
+        )
+        starts.append((cfg_w, state_w, {**info_w, "warm": w}, state_hash(state_w)))
+    model_cfg, state, warm_info, _ = starts[0]
     model = build_model(model_cfg, task)
     model.load_state_dict(state)
     log(f"gym: localisation on natural failures ({loc_n} prompts x {rl.group})")
@@ -234,12 +258,17 @@ def run(
 
     run_dir = (cache if cache is not None else cache_dir()) / "runs"
     run_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [
-        (a.name, a.spec, s, task, model_cfg, state, rl,
-         run_dir / f"{run_key(a, s, rl, warm_digest, task)}.json")
-        for s in seed_list for a in arms
-    ]  # fmt: skip
-    log(f"gym: {len(arms)} arms x {len(seed_list)} seeds x {steps} steps, {workers} worker(s)")
+    jobs = []
+    for i, s in enumerate(seed_list):
+        w = i % warm_starts
+        cfg_w, state_w, _, digest = starts[w]
+        for a in arms:
+            path = run_dir / f"{run_key(a, s, rl, digest, task, held_out=w)}.json"
+            jobs.append((a.name, a.spec, s, task, cfg_w, state_w, rl, w, path))
+    log(
+        f"gym: {len(arms)} arms x {len(seed_list)} seeds x {steps} steps, {warm_starts} warm "
+        f"start(s), {workers} worker(s)"
+    )
     if workers > 1:
         import multiprocessing as mp
 
@@ -259,6 +288,8 @@ def run(
         "model_params": n_params(model),
         "model": asdict(model_cfg),
         "warm_start": warm_info,
+        "warm_starts": [info for _, _, info, _ in starts],
+        "seed_warm_start": {s: i % warm_starts for i, s in enumerate(seed_list)},
         "seeds": seed_list,
         "steps": steps,
         "rl": asdict(rl),
@@ -268,6 +299,7 @@ def run(
         "reused_runs": reused,
         "quick": quick,
         "arm_specs": {a.name: a.spec for a in arms},
+        "arm_lr": {a.name: rl.lr if a.lr is None else a.lr for a in arms},
         **stats,
         "sweep": [
             {

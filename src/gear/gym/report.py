@@ -60,6 +60,7 @@ def summarise(
         arms[name] = {
             "final": final["mean"],
             "final_ci": final["ci"],
+            **change_vs_warm_start(per_seed, metric),
             f"final_{other}": t_interval([_final(per_seed[s], other) for s in seeds])["mean"],
             "per_seed": finals,
             "curve": curve,
@@ -89,6 +90,48 @@ def summarise(
             other: {"mean": e["mean"], "ci": e["ci"]},
         }
     return {"arms": arms, "paired": paired}
+
+
+def change_vs_warm_start(per_seed: dict[int, dict[str, Any]], metric: str) -> dict[str, Any]:
+    """What RL did to one arm, per seed: final minus step 0 (the warm start on that seed's
+    held-out set), the mean with a t-interval, the worst seed, how many ended below their warm
+    start, and the spread within and between warm starts (runs carry their warm start's index
+    as `warm`; one warm start: no between-spread).
+
+    `warm_spread`: `within_sd` is the pooled SD of the change around each warm start's mean
+    (the seeds' own variance), `between_sd` the SD of the warm starts' means (the
+    initialisation's variance; it holds within / sqrt(seeds per warm start) of sampling noise)."""
+    rows = [
+        {
+            "seed": s,
+            "warm": int(r.get("warm", 0)),
+            "start": float(r["curve"][0][metric]),
+            "final": _final(r, metric),
+            "change": _final(r, metric) - float(r["curve"][0][metric]),
+        }
+        for s, r in sorted(per_seed.items())
+    ]
+    change = t_interval([r["change"] for r in rows])
+    worst = min(rows, key=lambda r: r["change"])
+    groups: dict[int, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["warm"], []).append(r["change"])
+    means = {w: sum(v) / len(v) for w, v in sorted(groups.items())}
+    dof = sum(len(v) - 1 for v in groups.values())
+    within = (
+        math.sqrt(sum((x - means[w]) ** 2 for w, v in groups.items() for x in v) / dof)
+        if dof > 0
+        else math.nan
+    )
+    between = t_interval(list(means.values()))["sd"]
+    return {
+        "change": change["mean"],
+        "change_ci": change["ci"],
+        "worst_seed": worst,
+        "below_warm_start": sum(r["change"] < 0 for r in rows),
+        "warm_spread": {"within_sd": within, "between_sd": between, "mean_by_warm": means},
+        "seed_table": rows,
+    }
 
 
 def _median(xs: list[int]) -> float | None:

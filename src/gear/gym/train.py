@@ -57,12 +57,13 @@ DEFAULT_ARMS = {
     "oracle_sharp": f"oracle@{SHARP}",
     "gear_sharp": f"gear@{SHARP}",
 }
-ARM_KEYS = ("estimator",)  # arm-level overrides; every other key is a CreditParams field
+ARM_KEYS = ("estimator", "lr")  # arm-level overrides; every other key is a CreditParams field
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: a credit method, its `CreditParams` overrides and the KL estimator."""
+    """One arm: a credit method, its `CreditParams` overrides, the KL estimator and, if set,
+    its own learning rate (`lr`, in place of `RLConfig.lr`: GRPO at several rates)."""
 
     name: str
     method: str
@@ -70,6 +71,7 @@ class Arm:
     overrides: tuple[tuple[str, Any], ...] = ()
     oracle: bool = False
     spec: str = ""  # what `parse_arm` read (a worker process parses it again)
+    lr: float | None = None
 
     def params(self, seed: int) -> CreditParams:
         return CreditParams(method=self.method, seed=seed, **dict(self.overrides))
@@ -106,6 +108,9 @@ def parse_arm(spec: str, name: str | None = None) -> Arm:
     estimator = str(overrides.pop("estimator", "full"))
     if estimator not in ESTIMATORS:
         raise ValueError(f"arm {spec!r}: estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    lr = overrides.pop("lr", None)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or lr <= 0):
+        raise ValueError(f"arm {spec!r}: lr must be a number > 0, got {lr!r}")
     oracle = base == "oracle"  # `oracle_sharp` was mapped to `oracle@...` above
     method = "gear_token" if oracle else base
     if method not in METHODS:
@@ -117,7 +122,10 @@ def parse_arm(spec: str, name: str | None = None) -> Arm:
     unknown = sorted(set(overrides) - valid)
     if unknown:
         raise ValueError(f"arm {spec!r}: unknown option(s) {unknown}; valid: {sorted(valid)}")
-    arm = Arm(name, method, estimator, tuple(sorted(overrides.items())), oracle, original)
+    arm = Arm(
+        name, method, estimator, tuple(sorted(overrides.items())), oracle, original,
+        None if lr is None else float(lr),
+    )  # fmt: skip
     arm.params(0)  # validates the values now, not mid-grid
     return arm
 
@@ -294,9 +302,10 @@ def rl_step(
     return out
 
 
-def eval_problems(task: ChainTask, n: int) -> Tensor:
-    """The held-out problems every seed and arm is evaluated on."""
-    return task.problems(n, torch.Generator().manual_seed(20_000), "test")
+def eval_problems(task: ChainTask, n: int, held_out: int = 0) -> Tensor:
+    """The held-out problems every seed and arm of one warm start is evaluated on; `held_out`
+    (the warm start's index) draws another set, so a grid over warm starts also varies it."""
+    return task.problems(n, torch.Generator().manual_seed(20_000 + held_out), "test")
 
 
 def train_arm(
@@ -307,20 +316,23 @@ def train_arm(
     state: dict[str, Tensor],
     cfg: RLConfig,
     log: Any = print,
+    held_out: int = 0,
 ) -> dict[str, Any]:
     """Train one arm for one seed from the warm start; paired: the prompts and the random
     numbers of sampling and evaluation depend on (seed, step) only, never on the arm.
+    `held_out`: which held-out set (`eval_problems`). The arm's own `lr`, if set, replaces
+    `cfg.lr`.
 
     Returns {arm, seed, curve: [{step, accuracy, exact}], rewards, wall_s}."""
     t0 = time.perf_counter()
     model = build_model(model_cfg, task)
     model.load_state_dict(state)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr if arm.lr is None else arm.lr)
     prompt_gen = torch.Generator().manual_seed(1_000 + seed)
-    held_out = eval_problems(task, cfg.eval_n)
+    problems_out = eval_problems(task, cfg.eval_n, held_out)
     eval_seed = 7_919 + seed * 100_003  # not the seeds training samples with
-    curve = [{"step": 0, **evaluate(model, task, held_out, seed=eval_seed)}]
+    curve = [{"step": 0, **evaluate(model, task, problems_out, seed=eval_seed)}]
     rewards = []
     for step in range(1, cfg.steps + 1):
         problems = task.problems(cfg.prompts, prompt_gen)
@@ -328,7 +340,9 @@ def train_arm(
         m = rl_step(model, opt, arm, task, cfg, problems, gen, credit_seed=seed * 100_003 + step)
         rewards.append(m["reward"])
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            curve.append({"step": step, **evaluate(model, task, held_out, seed=eval_seed + step)})
+            curve.append(
+                {"step": step, **evaluate(model, task, problems_out, seed=eval_seed + step)}
+            )
             log(
                 f"gym: {arm.name} seed {seed} step {step}/{cfg.steps}  reward {m['reward']:.3f}  "
                 f"held-out {curve[-1]['accuracy']:.3f} (exact {curve[-1]['exact']:.3f})  "
