@@ -424,13 +424,15 @@ def test_the_run_key_and_the_warm_start_key_differ_by_teacher_context():
     assert warm_start_key(full, ModelConfig(), WarmStart()) != warm_start_key(
         short, ModelConfig(), WarmStart()
     )
-    both = WarmStart(hints="both")  # one warm start for both contexts
+    both = WarmStart(hints="both", teacher_steps=10)  # one warm start for both contexts
     assert warm_start_key(full, ModelConfig(), both) == warm_start_key(short, ModelConfig(), both)
     assert warm_start_key(full, ModelConfig(), both) != warm_start_key(
         full, ModelConfig(), WarmStart()
     )
     with pytest.raises(ValueError, match=r"WarmStart\.hints"):
-        WarmStart(hints="answer_only")
+        WarmStart(hints="answer_only", teacher_steps=1)
+    with pytest.raises(ValueError, match=r"WarmStart\.teacher_steps"):
+        WarmStart(hints="both")
 
 
 def test_an_answer_only_run_trains_and_records_its_context(tmp_path):
@@ -526,26 +528,45 @@ def test_seeds_spread_over_warm_starts_and_the_summary_reports_both_spreads(tmp_
         assert spread["within_sd"] == pytest.approx(pooled**0.5)
 
 
-def test_the_teacher_phase_trains_on_the_digits_the_hint_shows(monkeypatch, tmp_path):
-    """hints="both", hinted_target > 0: the student phase with all-steps hints (the default
-    warm start's), then hinted rows only in both formats, the loss on the result digits the
-    hint gives away (every step's for all_steps, the last one for answer_only)."""
+def test_the_teacher_phase_teaches_both_formats_and_anchors_the_student(monkeypatch, tmp_path):
+    """hints="both": the default warm start (all-steps hints, cached under its own key), then
+    `teacher_steps` steps whose hinted rows are trained in both formats while the unhinted rows
+    are held to the student phase's own predictions."""
     import gear.gym.model as gym_model
 
-    full, short = ChainTask(3), ChainTask(3, hint="answer_only")
-    result_digits = [STEP_LEN * k + 4 for k in range(3)]
-    assert full.hinted_positions().nonzero().flatten().tolist() == result_digits
-    assert short.hinted_positions().nonzero().flatten().tolist() == result_digits[-1:]
     seen = []
     real = gym_model.completion_logits
     monkeypatch.setattr(
         gym_model, "completion_logits", lambda m, p, c: seen.append(p.shape[1]) or real(m, p, c)
     )
-    warm = replace(MICRO_WARM, target=0.0, hints="both", hinted_target=0.99)
+    short = ChainTask(3, hint="answer_only")
+    warm = replace(MICRO_WARM, hints="both", teacher_steps=4)
     _, info = gym_model.warm_start(short, TINY, warm, cache=tmp_path, log=lambda _: None)
-    assert (info["student_steps"], info["steps"]) == (5, 10)  # the phase ran to max_steps
-    # prompt lengths: student 9, answer-only teacher 11, all-steps teacher 13; exact_accuracy's
-    # pass at step 5 reads the student's
-    trained = [n for n in seen if n != 9]
-    assert trained[:5] == [13] * 5 and trained[5:] == [13, 11] * 5
+    base = gym_model.warm_start_key(ChainTask(3), TINY, MICRO_WARM)
+    assert info["student_phase"]["key"] == base and (tmp_path / f"warm-{base}.pt").is_file()
+    assert info["steps"] == MICRO_WARM.max_steps + 4
     assert set(info["hinted_accuracy_by_hint"]) == {"all_steps", "answer_only"}
+    # prompt lengths: student 9, answer-only teacher 11, all-steps teacher 13. The student
+    # phase trains 13 and 9 each step; each teacher step: 13, 11, then 9 twice (the model and
+    # its frozen anchor on the unhinted rows)
+    assert seen[-4 * 4 - 1 : -1] == [13, 11, 9, 9] * 4  # the last: the info's exact accuracy
+
+
+def test_the_anchor_holds_the_unhinted_rows_to_the_frozen_model():
+    """With the frozen anchor equal to the model, the unhinted rows add no gradient."""
+    import gear.gym.model as gym_model
+
+    task = ChainTask(3)
+    model = build_model(TINY, task)
+    frozen = build_model(TINY, task)
+    problems = task.problems(8, torch.Generator().manual_seed(0))
+    rows = torch.ones(8, dtype=torch.bool)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = gym_model._supervised_step(
+        model, opt, task, problems, [], anchor=(frozen, task.prompts(problems), rows)
+    )
+    assert loss == pytest.approx(0.0, abs=1e-6)
+    assert all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(before, model.parameters(), strict=True)
+    )

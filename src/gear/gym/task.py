@@ -91,13 +91,6 @@ class ChainTask:
         """(n, hint_len) the digits the teacher is shown: r1 ... rL, or rL alone."""
         return self.results(problems)[:, -self.hint_len :]
 
-    def hinted_positions(self) -> Tensor:
-        """(6 * length,) bool: the completion tokens the hint gives away, the result digits it
-        shows (every step's, or the last step's)."""
-        pos = torch.arange(self.completion_len)
-        shown = pos // STEP_LEN >= self.length - self.hint_len
-        return (pos % STEP_LEN == RESULT_OFFSET) & shown
-
     def teacher_prompts(self, problems: Tensor) -> Tensor:
         """(n, 2 * length + hint_len + 4) teacher prompt ids: <bos> hint : s0 + x1 + ... + xL >,
         the hint being r1 ... rL (all_steps) or rL (answer_only)."""
