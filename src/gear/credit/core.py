@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gear.credit import segments as seg
 from gear.credit.methods import METHODS, CreditInputs
 from gear.credit.params import CreditParams
 
@@ -124,6 +125,10 @@ def _inputs(
         else turn_starts.to(device=device, dtype=torch.bool),
         **cast,
     )
+    if params.success_floor > 0 and inputs.kl is not None:  # the guard: every method's d~
+        inputs.kl_norm = seg.success_floored_normalise(
+            inputs.kl, valid, inputs.advantages, params.success_floor
+        )
     return inputs, fallback
 
 

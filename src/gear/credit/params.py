@@ -81,6 +81,17 @@ class CreditParams:
     oar_floor: float = field(
         default=0.1, metadata={"help": "oar_g: least weight of a low-influence token, in [0, 1]."}
     )
+    success_floor: float = field(
+        default=0.0,
+        metadata={
+            "help": "Guard (ours): raise every row's KL normalisation floor (spec §2.2's row "
+            "minimum) to success_floor x the mean, over the batch's successful rows (A > 0), of "
+            "their largest KL, so a divergence the teacher also shows on successful rollouts "
+            "(an answer-only teacher's style or hint-reading artefact) takes no blame. Any "
+            "KL-reading method; 0 (the default) is spec §2.2 exactly; 1 is the departure "
+            "recipe's."
+        },
+    )
     contrast: bool = field(
         default=False,
         metadata={
@@ -129,6 +140,8 @@ class CreditParams:
             raise bad("realign_len", "an integer >= 1")
         if not 0 <= self.alpha < 1:
             raise bad("alpha", "a number in [0, 1) so that every weight stays positive")
+        if self.success_floor < 0:
+            raise bad("success_floor", "a number >= 0")
         if self.beta < 0:
             raise bad("beta", "a number >= 0")
         if not 0 <= self.w_min <= self.w_max:

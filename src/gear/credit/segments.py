@@ -48,6 +48,33 @@ def minmax_normalise(x: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid & ~flat, scaled, 0.0)
 
 
+def success_floored_normalise(x: Tensor, valid: Tensor, advantages: Tensor, level: float) -> Tensor:
+    """`minmax_normalise` with the `success_floor` guard (ours, not the paper's): each row's
+    floor is raised from its minimum to `level` x S, S the mean over the rows with a positive
+    advantage of their largest valid x; values below the floor count 0, the divisor stays the
+    row's own range. A divergence no larger than what the teacher typically shows on
+    successful rollouts (a style or hint-reading artefact) is then no evidence of an error,
+    and min-max cannot blow a small excess up to 1. At `level` 0, or with no successful row,
+    it is `minmax_normalise` exactly; rows then depend on one another through S.
+
+    Args:
+        x: (N, T) float signal. valid: (N, T) bool. advantages: (N,) float. level: >= 0.
+    Returns:
+        (N, T) float in [0, 1]; 0 at invalid tokens and on flat rows.
+    """
+    success = (advantages > 0) & valid.any(dim=1)
+    if level == 0 or not bool(success.any()):
+        return minmax_normalise(x, valid)
+    lo = torch.where(valid, x, torch.inf).amin(dim=1, keepdim=True)
+    hi = torch.where(valid, x, -torch.inf).amax(dim=1, keepdim=True)
+    peak = hi[success].mean()
+    span = hi - lo
+    flat = ~(span > NORM_EPS)
+    floor = torch.maximum(lo, level * peak)
+    scaled = (x - floor).clamp(min=0.0) / torch.where(flat, 1.0, span)
+    return torch.where(valid & ~flat, scaled, 0.0)
+
+
 def previous(x: Tensor) -> Tensor:
     """x shifted one position right along T, 0 (or False) at t = 0. (N, T) -> (N, T)."""
     out = torch.zeros_like(x)

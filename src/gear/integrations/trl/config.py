@@ -102,6 +102,7 @@ class GEARConfig(GRPOConfig):
     credit_oar_boost: float = _credit_field("oar_boost")
     credit_oar_floor: float = _credit_field("oar_floor")
     credit_shape_method: str = _credit_field("shape_method")
+    credit_success_floor: float = _credit_field("success_floor")
     credit_seed: int = field(
         default=_CREDIT_FIELDS["seed"].default,
         metadata={
