@@ -32,6 +32,21 @@ def loop_first_wrong_step(start: int, operands: list[int], text: str) -> int:
     return -1
 
 
+def step_until_update(model, arm: str, task, tries: int) -> dict:
+    """One `rl_step` per seed until one updates (an untrained model can draw groups of equal
+    reward, which give no update; a later draw will not); the last step's stats."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    problems = task.problems(4, torch.Generator().manual_seed(3))
+    for seed in range(tries):
+        out = rl_step(
+            model, opt, parse_arm(arm), task, MICRO_RL, problems,
+            torch.Generator().manual_seed(seed), credit_seed=seed,
+        )  # fmt: skip
+        if out["updated"]:
+            break
+    return out
+
+
 def test_checker_finds_the_first_wrong_step_like_a_plain_loop():
     task, rng = ChainTask(5), random.Random(0)
     problems = task.problems(300, torch.Generator().manual_seed(0))
@@ -164,16 +179,7 @@ def test_one_rl_step_changes_the_parameters():
     task = ChainTask(3)
     model = build_model(TINY, task)
     before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    problems = task.problems(4, torch.Generator().manual_seed(3))
-    for seed in range(5):  # an untrained model can draw uniform groups; a later draw will not
-        out = rl_step(
-            model, opt, parse_arm("gear"), task, MICRO_RL, problems,
-            torch.Generator().manual_seed(seed), credit_seed=seed,
-        )  # fmt: skip
-        if out["updated"]:
-            break
-    assert out["updated"] == 1.0
+    assert step_until_update(model, "gear", task, tries=5)["updated"] == 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -456,16 +462,8 @@ def test_an_answer_only_run_trains_and_records_its_context(tmp_path):
     assert task.teacher_prompts(task.problems(1, torch.Generator())).shape[1] in seen
     model = build_model(TINY, task)
     model.load_state_dict(state)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    problems = task.problems(4, torch.Generator().manual_seed(3))
-    for seed in range(10):
-        out = rl_step(
-            model, opt, parse_arm("gear_departure_blame@estimator=k1"), task, MICRO_RL, problems,
-            torch.Generator().manual_seed(seed), credit_seed=seed,
-        )  # fmt: skip
-        if out["updated"]:
-            break
-    assert out["updated"] == 1.0
+    arm = "gear_departure_blame@estimator=k1"
+    assert step_until_update(model, arm, task, tries=10)["updated"] == 1.0
     assert any(not torch.equal(state[k], v) for k, v in model.state_dict().items())
     result = run(
         ["grpo", "gear"], seeds=1, steps=2, length=3, hint="answer_only", rl=MICRO_RL,
