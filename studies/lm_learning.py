@@ -11,6 +11,14 @@ identical config, reused as the rule says.
     python studies/lm_learning.py grid --workers 1     # resumable; runs what is missing
     python studies/lm_learning.py status              # finished runs per arm (no scores)
     python studies/lm_learning.py report              # the rule's analysis -> lm_learning.json
+
+The grid runs from a fixed checkout of the rule's code, so that later edits cannot change an
+arm mid-grid (each record names its commit); records land in this tree's folder:
+
+    git worktree add ../grid 8347d70
+    ln -sfn "$PWD/benchmarks/results/lm_learning_runs" ../grid/benchmarks/results/lm_learning_runs
+    cp benchmarks/results/teacher_contexts.json ../grid/benchmarks/results/  # C*: the complete one
+    (cd ../grid && PYTHONPATH=src OMP_NUM_THREADS=1 ../main/.venv/bin/python studies/lm_learning.py grid)
 """
 
 from __future__ import annotations
