@@ -32,11 +32,13 @@ def continuation_starts(valid: Tensor, turn_starts: Tensor | None = None) -> Ten
     return prev_invalid if turn_starts is None else prev_invalid | turn_starts
 
 
-def minmax_normalise(x: Tensor, valid: Tensor) -> Tensor:
+def minmax_normalise(x: Tensor, valid: Tensor, floor: Tensor | None = None) -> Tensor:
     """Spec §2.2. Per-row min-max over valid tokens; 0 at invalid tokens and on flat rows.
 
     Args:
         x: (N, T) float signal. valid: (N, T) bool.
+        floor: optional scalar tensor (the `success_floor` guard): each row's minimum is raised
+            to it, values below count 0; the divisor stays the row's own range.
     Returns:
         (N, T) float in [0, 1]; a row whose valid range is <= 1e-8 (or empty) is all 0.
     """
@@ -44,7 +46,10 @@ def minmax_normalise(x: Tensor, valid: Tensor) -> Tensor:
     hi = torch.where(valid, x, -torch.inf).amax(dim=1, keepdim=True)
     span = hi - lo
     flat = ~(span > NORM_EPS)  # also catches empty rows, where span is -inf - inf = -inf
-    scaled = (x - lo) / torch.where(flat, 1.0, span)
+    if floor is None:
+        scaled = (x - lo) / torch.where(flat, 1.0, span)
+    else:
+        scaled = (x - torch.maximum(lo, floor)).clamp(min=0.0) / torch.where(flat, 1.0, span)
     return torch.where(valid & ~flat, scaled, 0.0)
 
 
@@ -65,14 +70,8 @@ def success_floored_normalise(x: Tensor, valid: Tensor, advantages: Tensor, leve
     success = (advantages > 0) & valid.any(dim=1)
     if level == 0 or not bool(success.any()):
         return minmax_normalise(x, valid)
-    lo = torch.where(valid, x, torch.inf).amin(dim=1, keepdim=True)
-    hi = torch.where(valid, x, -torch.inf).amax(dim=1, keepdim=True)
-    peak = hi[success].mean()
-    span = hi - lo
-    flat = ~(span > NORM_EPS)
-    floor = torch.maximum(lo, level * peak)
-    scaled = (x - floor).clamp(min=0.0) / torch.where(flat, 1.0, span)
-    return torch.where(valid & ~flat, scaled, 0.0)
+    peak = torch.where(valid, x, -torch.inf).amax(dim=1)[success].mean()
+    return minmax_normalise(x, valid, floor=level * peak)
 
 
 def previous(x: Tensor) -> Tensor:
