@@ -11,6 +11,8 @@ identical config, reused as the rule says.
     python studies/lm_learning.py grid --workers 1     # resumable; runs what is missing
     python studies/lm_learning.py status              # finished runs per arm (no scores)
     python studies/lm_learning.py report              # the rule's analysis -> lm_learning.json
+    python studies/lm_learning.py report --final      # the budget ended: analyse complete rounds
+    python studies/lm_learning.py placebo --arm X     # a winner's shape-matched placebo (step 4)
 
 The grid runs from a fixed checkout of the rule's code, so that later edits cannot change an
 arm mid-grid (each record names its commit); records land in this tree's folder:
@@ -44,6 +46,19 @@ SEEDS = 11  # n_for_power(0.10, 0.0731, alpha=0.05/6): the rule's n
 EFFECT = 0.10  # the gain the rule is powered for
 PILOT_SD = 0.0731  # paired SD of gear - grpo, issue 35's seeds 0-4
 BASELINE = "grpo"
+BUDGET_CORE_HOURS = 24.0  # the issue's budget for the new runs (the rule: "If the budget ends")
+FIGURE = ROOT / "docs" / "lm_learning.png"
+
+#: pieces of runs that were started and thrown away (they count against the budget; each is
+#: listed in the JSON). A stopped run that resumed from its checkpoint is marked in its record.
+DISCARDED = [
+    {
+        "run": "gear_k1-seed1",
+        "when": "2026-11-26 ~07:20 UTC",
+        "why": "stopped minutes after its start to leave the CPU to the final CI; its run "
+        "folder was removed, so it restarted from step 0 at the next grid start",
+    },
+]
 
 #: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
 ARMS: dict[str, dict[str, Any]] = {
@@ -69,6 +84,7 @@ REUSED = {
     "grpo": ("gate-lora16_lr5e-4-grpo-seed{seed}", range(8)),
     "gear": ("main-default-default-seed{seed}", range(5)),
 }
+UNSEEN_FROM = 5  # gear seeds >= 5 were not seen before the rule (its sensitivity analysis)
 
 
 def best_context(path: Path = RESULTS / "teacher_contexts.json") -> str | None:
@@ -96,6 +112,19 @@ def keys_of(arm: str) -> dict[str, Any] | None:
     return keys
 
 
+def placebo_keys(arm: str) -> dict[str, Any]:
+    """The rule's placebo of `arm` (step 4): the arm's keys with its credit weights moved to
+    random valid positions of each row (`random_shape` of the arm's method, same parameters)."""
+    keys = keys_of(arm)
+    if keys is None:
+        raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
+    from gear.credit import CreditParams
+
+    method = keys.get("credit_method", "gear")
+    CreditParams(method="random_shape", shape_method=method)  # refuses a method it cannot move
+    return keys | {"credit_method": "random_shape", "credit_shape_method": method}
+
+
 def record(arm: str, seed: int) -> dict | None:
     """The arm's finished run at `seed`: its own record or the rule's reused one."""
     own = RECORDS / f"{arm}-seed{seed}.json"
@@ -120,13 +149,20 @@ def schedule(seeds: int) -> list[tuple[str, int]]:
     ]
 
 
-def run(arm: str, seed: int) -> dict:
-    keys = keys_of(arm)
+def placebo_record(arm: str, seed: int) -> dict | None:
+    path = RECORDS / f"placebo-{arm}-seed{seed}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run(arm: str, seed: int, placebo: bool = False) -> dict:
+    keys = placebo_keys(arm) if placebo else keys_of(arm)
     if keys is None:
         raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    meta = {"stage": "lm_learning", "arm": arm, "keys": keys, "commit": head.stdout.strip()}
-    return lm_recipe.train(f"{arm}-seed{seed}", keys, seed, meta, RUNS, RECORDS)
+    name = f"placebo-{arm}-seed{seed}" if placebo else f"{arm}-seed{seed}"
+    stage = "lm_learning_placebo" if placebo else "lm_learning"
+    meta = {"stage": stage, "arm": arm, "keys": keys, "commit": head.stdout.strip()}
+    return lm_recipe.train(name, keys, seed, meta, RUNS, RECORDS)
 
 
 def grid(seeds: int, workers: int) -> None:
@@ -145,11 +181,52 @@ def grid(seeds: int, workers: int) -> None:
         list(pool.map(go, jobs))
 
 
+def placebo(arm: str, seeds: int, workers: int) -> None:
+    """The winner's placebo on the analysed seeds 0..seeds-1 (the rule, step 4)."""
+    placebo_keys(arm)  # refuse a bad arm before any run
+    jobs = [s for s in range(seeds) if placebo_record(arm, s) is None]
+    print(f"{len(jobs)} placebo runs of {arm} to go: seeds {jobs}", flush=True)
+    if not jobs:
+        return
+    lm_recipe.ensure_before("gate", "lora16_lr5e-4", "grpo")
+
+    def go(seed: int) -> None:
+        r = run(arm, seed, placebo=True)
+        print(f"kept {r['name']} ({r['wall_s'] / 60:.1f} min)", flush=True)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(go, jobs))
+
+
 def status(seeds: int) -> None:
-    """Which runs exist (no held-out score is read: the rule forbids looking before the end)."""
+    """Which runs exist and the budget spent (no held-out score is read: the rule forbids
+    looking before the analysis)."""
     for arm in ARMS:
         done = [s for s in range(seeds) if record(arm, s) is not None]
         print(f"{arm:20s} {len(done):2d}/{seeds}  seeds {done}")
+    b = budget(seeds)
+    print(
+        f"complete rounds {complete_rounds(seeds)}/{seeds}; new runs {b['new_runs']}, "
+        f"{b['core_hours_used']:.1f} of {b['core_hours']:.0f} core-hours"
+    )
+
+
+def budget(seeds: int) -> dict[str, Any]:
+    """Core-hours the new runs used: each runs at one thread, so its wall time bounds its core
+    time from above (the machine is shared, so this overcounts; never under)."""
+    own = [
+        json.loads(p.read_text())
+        for p in sorted(RECORDS.glob("*-seed*.json"))
+        if not p.name.startswith("placebo-")
+    ]
+    return {
+        "core_hours": BUDGET_CORE_HOURS,
+        "core_hours_used": sum(r["wall_s"] for r in own) / 3600,
+        "new_runs": len(own),
+        "runs_asked": len(ARMS) * seeds - sum(min(seeds, len(r)) for _, r in REUSED.values()),
+        "counted_as": "wall seconds of each new run at one thread (an upper bound)",
+        "discarded": DISCARDED,
+    }
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -167,8 +244,12 @@ def primary(r: dict) -> float:
     return r["after"]["mean_reward"]
 
 
-def analyse(runs: dict[str, list[dict]], alpha: float = 0.05) -> dict[str, Any]:
+def analyse(
+    runs: dict[str, list[dict]], gate_runs: list[dict] | None = None, alpha: float = 0.05
+) -> dict[str, Any]:
     """The rule's analysis of `runs` (arm -> records of seeds 0..n-1, same n, paired by seed).
+    The gate reads `gate_runs` (every grpo run of the grid's seeds; default the compared ones):
+    it asks whether the baseline recipe learns, which does not depend on the rounds compared.
 
     Returns {"gate", "comparisons" (candidate -> Bonferroni and 95% paired intervals vs the
     baseline, power at EFFECT), "stability", "beats_baseline", "winner"}."""
@@ -176,11 +257,12 @@ def analyse(runs: dict[str, list[dict]], alpha: float = 0.05) -> dict[str, Any]:
 
     base = runs[BASELINE]
     n = len(base)
+    gate_runs = gate_runs or base
     gate = learning_gate(
-        [r["before"]["mean_reward"] for r in base],
-        [primary(r) for r in base],
-        [r["reward"] for r in base],
-        seeds=[r["seed"] for r in base],
+        [r["before"]["mean_reward"] for r in gate_runs],
+        [primary(r) for r in gate_runs],
+        [r["reward"] for r in gate_runs],
+        seeds=[r["seed"] for r in gate_runs],
         metric="held-out mean reward (8 samples per problem at T=0.7, 200 problems)",
     )
     level = 1 - alpha / len(CANDIDATES)
@@ -229,15 +311,26 @@ def seconds_per_step(rs: list[dict]) -> float:
     return statistics.median(s for r in rs for s in r["step_seconds"] if s is not None)
 
 
-def report(seeds: int, out: Path) -> dict:
+def report(seeds: int, out: Path, final: bool = False, figure: Path = FIGURE) -> dict:
+    """The rule's analysis over the complete rounds -> `out` (JSON) and `figure`.
+
+    Before all `seeds` rounds are complete it runs only with `final` (the budget ended: the
+    rule analyses the last complete round once), so that nobody reads scores mid-grid."""
     import torch
 
-    from gear.evidence import first_commit
+    from gear.evidence import first_commit, paired, power_at
 
     n = complete_rounds(seeds)
+    if n < seeds and not final:
+        raise SystemExit(
+            f"report: {n} of {seeds} rounds complete; the rule analyses only when all are, or "
+            "once when the budget ends (report --final)"
+        )
     if n < 2:
         raise SystemExit(f"report: {n} complete rounds; the analysis needs every arm's seeds")
     runs = {arm: [record(arm, s) for s in range(n)] for arm in ARMS}
+    gate_runs = [r for s in range(seeds) if (r := record(BASELINE, s)) is not None]
+    alpha = 0.05 / len(CANDIDATES)
     result = {
         "arms": {arm: keys_of(arm) for arm in ARMS},
         "seeds": list(range(n)),
@@ -246,7 +339,14 @@ def report(seeds: int, out: Path) -> dict:
         "steps": runs[BASELINE][0]["config"]["trainer"]["max_steps"],
         "metric": "held-out mean reward: 200 problems x 8 samples at T=0.7 (eval_seed 0)",
         "rule_commit": first_commit(RULE, ROOT),
-        "power": {"pilot_sd": PILOT_SD, "effect": EFFECT, "alpha": 0.05 / len(CANDIDATES)},
+        "power": {
+            "pilot_sd": PILOT_SD,
+            "effect": EFFECT,
+            "alpha": alpha,
+            "n": n,
+            "at_pilot_sd": power_at(EFFECT, PILOT_SD, n, alpha),
+        },
+        "budget": budget(seeds),
         "paired": "by seed (prompts, sampling, LoRA init)",
         "per_seed": {
             arm: [
@@ -256,33 +356,101 @@ def report(seeds: int, out: Path) -> dict:
                     "greedy": r["after"]["pass@1"],
                     "reused_from": r.get("reused_from"),
                     "resumed": r["resumed"],
+                    "commit": r.get("commit"),
                 }
                 for r in rs
             ]
             for arm, rs in runs.items()
         },
+        "resumed": [r["name"] for rs in runs.values() for r in rs if r["resumed"]],
         "before": runs[BASELINE][0]["before"]["mean_reward"],
         "seconds_per_step": {arm: seconds_per_step(rs) for arm, rs in runs.items()},
         "machine": sorted({r["capability"] for rs in runs.values() for r in rs}),
         "torch": torch.__version__,
     }
-    result |= analyse(runs)
+    result |= analyse(runs, gate_runs)
+    winner = result["winner"]
+    if winner is not None:
+        shams = [placebo_record(winner, s) for s in range(n)]
+        result["placebo"] = {"arm": winner, "keys": placebo_keys(winner), "runs": sum(
+            r is not None for r in shams)}  # fmt: skip
+        if all(shams):
+            d = paired([primary(r) for r in runs[winner]], [primary(r) for r in shams])
+            result["placebo"] |= {"paired": d, "passed": d["ci"][0] > 0}
+    # rounds seeds 0..n-1 only: the sensitivity analysis on the seeds unseen before the rule
+    unseen = [s for s in range(n) if s >= UNSEEN_FROM]
+    if len(unseen) >= 2:
+        result["sensitivity_unseen_gear_seeds"] = paired(
+            [primary(runs["gear"][s]) for s in unseen], [primary(runs[BASELINE][s]) for s in unseen]
+        ) | {"seeds": unseen}
     result["decision"] = decision(result)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
+    print(f"wrote {out} and {plot(result, figure)}")
     return result
 
 
 def decision(result: dict) -> str:
+    """The rule's step 4, as one sentence."""
+    rounds = f"{len(result['seeds'])} of {result['seeds_asked']} rounds"
     if not result["gate"]["passed"]:
-        return "gate failed: no method compared; the default does not change"
-    if not result["complete"]:
-        partial = f"{len(result['seeds'])} of {result['seeds_asked']} rounds"
-        if result["winner"] is None:
-            return f"incomplete ({partial}): nothing beats grpo yet; the default does not change"
-    if result["winner"] is None:
-        return "no candidate beats grpo: gear train keeps the paper's GEAR"
-    return f"{result['winner']} beats grpo: its placebo runs next (the rule, step 4)"
+        return f"gate failed ({rounds}): no method compared; the default does not change"
+    winner = result["winner"]
+    if winner is None:
+        return f"no candidate beats grpo ({rounds}): gear train keeps the paper's GEAR"
+    sham = result.get("placebo", {})
+    if "passed" not in sham:
+        return f"{winner} beats grpo ({rounds}): its placebo runs next (the rule, step 4)"
+    if not sham["passed"]:
+        return (
+            f"{winner} beats grpo but not its placebo ({rounds}): gear train keeps the paper's GEAR"
+        )
+    return f"{winner} beats grpo and its placebo ({rounds}): it becomes gear train's default"
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Left: each arm's held-out score after training per seed (lines join a seed's arms), the
+    shared before-score dashed. Right: each candidate − grpo, paired by seed: the Bonferroni
+    interval (thick), the 95% one (thin), and the effect the rule is powered for (shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(result["per_seed"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), width_ratios=[1.2, 1])
+    for s in result["seeds"]:
+        left.plot(range(len(arms)), [result["per_seed"][a][s]["after"] for a in arms],
+                  color="grey", lw=0.5, alpha=0.5)  # fmt: skip
+    for i, a in enumerate(arms):
+        ys = [r["after"] for r in result["per_seed"][a]]
+        left.scatter([i] * len(ys), ys, s=14, zorder=3)
+        left.plot([i - 0.25, i + 0.25], [statistics.mean(ys)] * 2, color="black", lw=2)
+    left.axhline(result["before"], ls="--", color="black", lw=1, label="before training")
+    left.set_xticks(range(len(arms)), arms, rotation=25, ha="right", fontsize=8)
+    left.set_ylabel("held-out mean reward after training")
+    left.set_title(f"SmolLM2-135M, {result['steps']} steps, n = {len(result['seeds'])} seeds")
+    left.legend(fontsize=8)
+    cands = list(result["comparisons"])
+    level = round(100 * (1 - result["power"]["alpha"]), 1)
+    right.axvspan(-EFFECT, EFFECT, color="0.92", label=f"|effect| < {EFFECT} (not powered)")
+    right.axvline(0, color="black", lw=0.8)
+    for i, a in enumerate(cands):
+        c = result["comparisons"][a]
+        right.plot(c["bonferroni"]["ci"], [i, i], lw=4, color="C0", solid_capstyle="butt",
+                   label=f"{level}% (Bonferroni)" if i == 0 else None)  # fmt: skip
+        right.plot(c["ci95"], [i, i], lw=1, color="black", label="95%" if i == 0 else None)
+        right.scatter([c["bonferroni"]["mean"]], [i], color="black", zorder=3, s=14)
+    right.set_yticks(range(len(cands)), cands, fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("candidate − grpo, paired by seed")
+    right.set_title(result["decision"], fontsize=8, wrap=True)
+    right.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def print_table(result: dict) -> None:
@@ -311,19 +479,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("stage", choices=["grid", "status", "report"])
+    ap.add_argument("stage", choices=["grid", "status", "report", "placebo"])
     ap.add_argument("--seeds", type=int, default=SEEDS)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "lm_learning.json")
+    ap.add_argument("--final", action="store_true", help="report: the budget ended (the rule)")
+    ap.add_argument("--arm", choices=CANDIDATES, help="placebo: the winner whose placebo runs")
     a = ap.parse_args(argv)
     if a.seeds < 2 or a.workers < 1:
         ap.error("--seeds: at least 2; --workers: at least 1")
+    if a.stage == "placebo" and a.arm is None:
+        ap.error("placebo: --arm, the winner the report named, is required")
     if a.stage == "grid":
         grid(a.seeds, a.workers)
     elif a.stage == "status":
         status(a.seeds)
+    elif a.stage == "placebo":
+        placebo(a.arm, a.seeds, a.workers)
     else:
-        report(a.seeds, a.out)
+        report(a.seeds, a.out, a.final)
     return 0
 
 

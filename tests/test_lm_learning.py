@@ -23,6 +23,9 @@ def fake(arm: str, seed: int, after: float, before: float = 0.3) -> dict:
         "reward": [0.2, 0.3, 0.4],
         "step_seconds": [60.0],
         "resumed": False,
+        "wall_s": 1800.0,
+        "capability": "AVX2",
+        "config": {"trainer": {"max_steps": 16}},
     }
 
 
@@ -119,3 +122,85 @@ def test_no_comparison_when_the_baseline_does_not_learn():
     out = ll.analyse(runs_with({"gear": [0.2] * 8}, flat))
     assert not out["gate"]["passed"]
     assert out["winner"] is None and out["beats_baseline"] == []
+
+
+def test_every_candidate_but_oar_g_has_a_placebo_gear_train_accepts():
+    from gear.integrations.trl import GEARConfig
+    from gear.run import resolve_config
+
+    for arm in ll.CANDIDATES:
+        if arm == "oar_g":  # its influence signal is not one random_shape passes on: refused
+            with pytest.raises(ValueError, match="shape_method"):
+                ll.placebo_keys(arm)
+            continue
+        if arm == "gear_k1_context":
+            continue  # C* comes from issue 36's result; its keys are gear_k1's plus a context
+        keys = ll.placebo_keys(arm)
+        assert keys["credit_method"] == "random_shape"
+        assert keys["credit_shape_method"] == ll.ARMS[arm].get("credit_method", "gear")
+        assert {k: v for k, v in keys.items() if not k.startswith("credit_")} == {
+            k: v for k, v in ll.ARMS[arm].items() if not k.startswith("credit_")
+        }
+        cfg = resolve_config(None, keys)
+        GEARConfig(output_dir="/tmp/x", **{**cfg.trainer, "bf16": False, "use_cpu": True})
+
+
+def write_grid(dirs: Path, after: dict[str, list[float]]) -> None:
+    (dirs / "lm_learning_runs").mkdir(exist_ok=True)
+    for arm, values in after.items():
+        for s, a in enumerate(values):
+            path = dirs / "lm_learning_runs" / f"{arm}-seed{s}.json"
+            path.write_text(json.dumps(fake(arm, s, a)))
+
+
+def test_report_waits_for_every_round_unless_the_budget_ended(dirs, monkeypatch):
+    monkeypatch.setattr(ll, "REUSED", {})
+    monkeypatch.setattr(ll, "first_commit", lambda *a: "abc", raising=False)
+    monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
+    monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
+    # three complete rounds, seed 3 done by grpo alone (an incomplete round)
+    after = {arm: [b + 0.01 for b in BASE[:3]] for arm in ll.ARMS}
+    after["grpo"] = BASE[:4]
+    write_grid(dirs, after)
+    with pytest.raises(SystemExit, match="3 of 4 rounds complete"):
+        ll.report(4, dirs / "out.json", figure=dirs / "fig.png")
+    result = ll.report(4, dirs / "out.json", final=True, figure=dirs / "fig.png")
+    assert result["seeds"] == [0, 1, 2] and not result["complete"]
+    assert json.loads((dirs / "out.json").read_text())["decision"] == result["decision"]
+    assert "3 of 4 rounds" in result["decision"]
+    for key in ("arms", "seeds", "steps", "metric", "gate", "paired", "power", "rule_commit",
+                "decision", "machine", "budget"):  # fmt: skip
+        assert key in result, key
+    # the gate reads all four grpo runs, the comparisons the three complete rounds
+    assert result["gate"]["seeds"] == [0, 1, 2, 3]
+    assert result["comparisons"]["gear"]["bonferroni"]["n"] == 3
+    # every new run's wall time counts against the budget (7 arms x 3 + 1, 30 min each)
+    assert result["budget"]["new_runs"] == 22
+    assert result["budget"]["core_hours_used"] == pytest.approx(11.0)
+    assert (dirs / "fig.png").stat().st_size > 10_000
+
+
+def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeypatch):
+    monkeypatch.setattr(ll, "REUSED", {})
+    monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
+    monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
+    gain = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
+    after = {arm: BASE for arm in ll.ARMS}
+    after["gear_k1"] = [b + g for b, g in zip(BASE, gain, strict=True)]
+    write_grid(dirs, after)
+    out, fig = dirs / "out.json", dirs / "fig.png"
+    result = ll.report(8, out, figure=fig)
+    assert result["winner"] == "gear_k1" and "placebo runs next" in result["decision"]
+    assert result["placebo"]["keys"]["credit_shape_method"] == "gear"
+    for s, b in enumerate(BASE):  # the placebo does as well as the winner: not a real win
+        path = dirs / "lm_learning_runs" / f"placebo-gear_k1-seed{s}.json"
+        path.write_text(json.dumps(fake("gear_k1", s, b + gain[s] + 0.01 * (s % 2))))
+    result = ll.report(8, out, figure=fig)
+    assert not result["placebo"]["passed"] and "keeps the paper's GEAR" in result["decision"]
+    for s, b in enumerate(BASE):  # a placebo at GRPO's level: the winner's placement matters
+        path = dirs / "lm_learning_runs" / f"placebo-gear_k1-seed{s}.json"
+        path.write_text(json.dumps(fake("gear_k1", s, b + 0.005 * (s % 3))))
+    result = ll.report(8, out, figure=fig)
+    assert result["placebo"]["passed"] and "becomes gear train's default" in result["decision"]
+    # placebo records are not grid runs: they do not enter the grid's budget
+    assert result["budget"]["new_runs"] == 8 * len(ll.ARMS)
