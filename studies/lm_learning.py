@@ -473,6 +473,30 @@ def print_table(result: dict) -> None:
             f"| {arm} | {mean:.3f} | {cells} | {worst['worst']:.3f} (seed {worst['worst_seed']}) |"
         )
     print(f"decision: {result['decision']}")
+    print("\nREADME's lines (from this JSON):\n" + readme_summary(result))
+
+
+def readme_summary(result: dict) -> str:
+    """The few lines README's evidence section opens with, written from the JSON so that no
+    number is copied by hand: the gate, each candidate − grpo with both intervals, the power."""
+    g = result["gate"]["paired"]
+    n = len(result["seeds"])
+    level = round(100 * (1 - result["power"]["alpha"]), 1)
+    lines = [
+        f"- **GRPO learns on the real LM** (gate {'passed' if result['gate']['passed'] else 'failed'}, "
+        f"{g['n']} seeds): held-out mean reward {result['before']:.3f} before, after − before "
+        f"{g['mean']:+.3f} [{g['ci'][0]:+.3f}, {g['ci'][1]:+.3f}] (95%).",
+        f"- **Against GRPO on the same seeds** (n = {n} paired, {level}% Bonferroni intervals; "
+        f"power {result['power']['at_pilot_sd']:.2f} at a gain of {EFFECT} with the pilot's SD):",
+    ]
+    for arm, c in result["comparisons"].items():
+        b, unstable = c["bonferroni"], result["stability"][arm]["below_before"]
+        lines.append(
+            f"  `{arm}` {b['mean']:+.3f} [{b['ci'][0]:+.3f}, {b['ci'][1]:+.3f}]"
+            + (f" (seeds {unstable} end below before)" if unstable else "")
+        )
+    lines.append(f"- **Decision:** {result['decision']}.")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

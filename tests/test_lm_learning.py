@@ -178,6 +178,12 @@ def test_report_waits_for_every_round_unless_the_budget_ended(dirs, monkeypatch)
     assert result["budget"]["new_runs"] == 22
     assert result["budget"]["core_hours_used"] == pytest.approx(11.0)
     assert (dirs / "fig.png").stat().st_size > 10_000
+    # README's lines come from the JSON: every candidate with its Bonferroni interval
+    text = ll.readme_summary(result)
+    for arm in ll.CANDIDATES:
+        b = result["comparisons"][arm]["bonferroni"]
+        assert f"`{arm}` {b['mean']:+.3f} [{b['ci'][0]:+.3f}, {b['ci'][1]:+.3f}]" in text
+    assert result["decision"] in text
 
 
 def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeypatch):
