@@ -492,7 +492,7 @@ def readme_summary(result: dict) -> str:
     for arm, c in result["comparisons"].items():
         b, unstable = c["bonferroni"], result["stability"][arm]["below_before"]
         lines.append(
-            f"  `{arm}` {b['mean']:+.3f} [{b['ci'][0]:+.3f}, {b['ci'][1]:+.3f}]"
+            f"  - `{arm}` {b['mean']:+.3f} [{b['ci'][0]:+.3f}, {b['ci'][1]:+.3f}]"
             + (f" (seeds {unstable} end below before)" if unstable else "")
         )
     lines.append(f"- **Decision:** {result['decision']}.")
