@@ -155,6 +155,8 @@ def write_grid(dirs: Path, after: dict[str, list[float]]) -> None:
 
 def test_report_waits_for_every_round_unless_the_budget_ended(dirs, monkeypatch):
     monkeypatch.setattr(ll, "REUSED", {})
+    monkeypatch.setattr(ll, "SEEDS", 4)
+    monkeypatch.setattr(ll, "DISCARDED", [{"run": "x", "wall_s": 1800.0}])
     monkeypatch.setattr(ll, "first_commit", lambda *a: "abc", raising=False)
     monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
     monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
@@ -174,20 +176,24 @@ def test_report_waits_for_every_round_unless_the_budget_ended(dirs, monkeypatch)
     # the gate reads all four grpo runs, the comparisons the three complete rounds
     assert result["gate"]["seeds"] == [0, 1, 2, 3]
     assert result["comparisons"]["gear"]["bonferroni"]["n"] == 3
-    # every new run's wall time counts against the budget (7 arms x 3 + 1, 30 min each)
+    # every new run's wall time counts against the budget (7 arms x 3 + 1, 30 min each), and
+    # so does every discarded piece
     assert result["budget"]["new_runs"] == 22
-    assert result["budget"]["core_hours_used"] == pytest.approx(11.0)
+    assert result["budget"]["core_hours_used"] == pytest.approx(11.5)
+    # the analysis runs once: more rounds later, or another n, are refused
+    for arm in ll.ARMS:  # round 3 completes after the analysis ran at round 3
+        path = dirs / "lm_learning_runs" / f"{arm}-seed3.json"
+        path.write_text(json.dumps(fake(arm, 3, 0.7)))
+    with pytest.raises(SystemExit, match="analyses once"):
+        ll.report(4, dirs / "out.json", final=True, figure=dirs / "fig.png")
+    with pytest.raises(SystemExit, match="the rule's n is 4"):
+        ll.report(3, dirs / "other.json", final=True, figure=dirs / "fig.png")
     assert (dirs / "fig.png").stat().st_size > 10_000
-    # README's lines come from the JSON: every candidate with its Bonferroni interval
-    text = ll.readme_summary(result)
-    for arm in ll.CANDIDATES:
-        b = result["comparisons"][arm]["bonferroni"]
-        assert f"`{arm}` {b['mean']:+.3f} [{b['ci'][0]:+.3f}, {b['ci'][1]:+.3f}]" in text
-    assert result["decision"] in text
 
 
 def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeypatch):
     monkeypatch.setattr(ll, "REUSED", {})
+    monkeypatch.setattr(ll, "SEEDS", 8)
     monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
     monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
     gain = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
@@ -198,6 +204,12 @@ def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeyp
     result = ll.report(8, out, figure=fig)
     assert result["winner"] == "gear_k1" and "placebo runs next" in result["decision"]
     assert result["placebo"]["keys"]["credit_shape_method"] == "gear"
+    # README's lines come from the JSON: every candidate with its Bonferroni interval
+    text = ll.readme_summary(result)
+    for arm in ll.CANDIDATES:
+        b = result["comparisons"][arm]["bonferroni"]
+        assert f"`{arm}` {b['mean']:+.3f} [{b['ci'][0]:+.3f}, {b['ci'][1]:+.3f}]" in text
+    assert result["decision"] in text
     for s, b in enumerate(BASE):  # the placebo does as well as the winner: not a real win
         path = dirs / "lm_learning_runs" / f"placebo-gear_k1-seed{s}.json"
         path.write_text(json.dumps(fake("gear_k1", s, b + gain[s] + 0.01 * (s % 2))))
@@ -210,3 +222,29 @@ def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeyp
     assert result["placebo"]["passed"] and "becomes gear train's default" in result["decision"]
     # placebo records are not grid runs: they do not enter the grid's budget
     assert result["budget"]["new_runs"] == 8 * len(ll.ARMS)
+
+
+def test_an_oar_g_winner_is_reported_and_its_placebo_named_not_runnable(dirs, monkeypatch):
+    monkeypatch.setattr(ll, "REUSED", {})
+    monkeypatch.setattr(ll, "SEEDS", 8)
+    monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
+    monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
+    gain = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
+    after = {arm: BASE for arm in ll.ARMS}
+    after["oar_g"] = [b + g for b, g in zip(BASE, gain, strict=True)]
+    write_grid(dirs, after)
+    result = ll.report(8, dirs / "out.json", figure=dirs / "fig.png")
+    assert (
+        result["winner"] == "oar_g" and "shape_method" in result["placebo"]["keys"]["not_runnable"]
+    )
+    assert "placebo runs next" in result["decision"]
+
+
+def test_readme_lines_compare_nothing_when_the_gate_fails():
+    flat = [0.31, 0.29, 0.30, 0.28, 0.32, 0.29, 0.30, 0.31]
+    result = {"seeds": list(range(8)), "before": 0.3, "power": {"alpha": 0.05 / 6}}
+    result |= ll.analyse(runs_with({"gear": [-0.2] * 8}, flat))
+    result["decision"] = ll.decision(result | {"seeds_asked": 11})
+    text = ll.readme_summary(result)
+    assert "gate failed" in text and "`gear`" not in text
+    assert not result["grpo_beats_gear"]  # step 5 needs the gate too
