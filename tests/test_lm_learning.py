@@ -153,13 +153,30 @@ def write_grid(dirs: Path, after: dict[str, list[float]]) -> None:
             path.write_text(json.dumps(fake(arm, s, a)))
 
 
-def test_report_waits_for_every_round_unless_the_budget_ended(dirs, monkeypatch):
+@pytest.fixture
+def study(dirs, monkeypatch):
+    """`dirs` with no reused runs, C* fixed, and the rule's commit stubbed; n = 8 seeds."""
     monkeypatch.setattr(ll, "REUSED", {})
-    monkeypatch.setattr(ll, "SEEDS", 4)
-    monkeypatch.setattr(ll, "DISCARDED", [{"run": "x", "wall_s": 1800.0}])
-    monkeypatch.setattr(ll, "first_commit", lambda *a: "abc", raising=False)
+    monkeypatch.setattr(ll, "SEEDS", 8)
     monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
     monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
+    return dirs
+
+
+GAIN = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
+
+
+def grid_won_by(dirs: Path, winner: str) -> None:
+    """Eight rounds where every arm scores as grpo but `winner`, which gains GAIN."""
+    after = {arm: BASE for arm in ll.ARMS}
+    after[winner] = [b + g for b, g in zip(BASE, GAIN, strict=True)]
+    write_grid(dirs, after)
+
+
+def test_report_waits_for_every_round_unless_the_budget_ended(study, monkeypatch):
+    dirs = study
+    monkeypatch.setattr(ll, "SEEDS", 4)
+    monkeypatch.setattr(ll, "DISCARDED", [{"run": "x", "wall_s": 1800.0}])
     # three complete rounds, seed 3 done by grpo alone (an incomplete round)
     after = {arm: [b + 0.01 for b in BASE[:3]] for arm in ll.ARMS}
     after["grpo"] = BASE[:4]
@@ -191,15 +208,9 @@ def test_report_waits_for_every_round_unless_the_budget_ended(dirs, monkeypatch)
     assert (dirs / "fig.png").stat().st_size > 10_000
 
 
-def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeypatch):
-    monkeypatch.setattr(ll, "REUSED", {})
-    monkeypatch.setattr(ll, "SEEDS", 8)
-    monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
-    monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
-    gain = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
-    after = {arm: BASE for arm in ll.ARMS}
-    after["gear_k1"] = [b + g for b, g in zip(BASE, gain, strict=True)]
-    write_grid(dirs, after)
+def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(study):
+    dirs = study
+    grid_won_by(dirs, "gear_k1")
     out, fig = dirs / "out.json", dirs / "fig.png"
     result = ll.report(8, out, figure=fig)
     assert result["winner"] == "gear_k1" and "placebo runs next" in result["decision"]
@@ -212,7 +223,7 @@ def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeyp
     assert result["decision"] in text
     for s, b in enumerate(BASE):  # the placebo does as well as the winner: not a real win
         path = dirs / "lm_learning_runs" / f"placebo-gear_k1-seed{s}.json"
-        path.write_text(json.dumps(fake("gear_k1", s, b + gain[s] + 0.01 * (s % 2))))
+        path.write_text(json.dumps(fake("gear_k1", s, b + GAIN[s] + 0.01 * (s % 2))))
     result = ll.report(8, out, figure=fig)
     assert not result["placebo"]["passed"] and "keeps the paper's GEAR" in result["decision"]
     for s, b in enumerate(BASE):  # a placebo at GRPO's level: the winner's placement matters
@@ -224,16 +235,9 @@ def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(dirs, monkeyp
     assert result["budget"]["new_runs"] == 8 * len(ll.ARMS)
 
 
-def test_an_oar_g_winner_is_reported_and_its_placebo_named_not_runnable(dirs, monkeypatch):
-    monkeypatch.setattr(ll, "REUSED", {})
-    monkeypatch.setattr(ll, "SEEDS", 8)
-    monkeypatch.setattr("gear.evidence.first_commit", lambda *a: "abc")
-    monkeypatch.setattr(ll, "keys_of", lambda arm: dict(ll.ARMS[arm]))
-    gain = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13, 0.11, 0.10]
-    after = {arm: BASE for arm in ll.ARMS}
-    after["oar_g"] = [b + g for b, g in zip(BASE, gain, strict=True)]
-    write_grid(dirs, after)
-    result = ll.report(8, dirs / "out.json", figure=dirs / "fig.png")
+def test_an_oar_g_winner_is_reported_and_its_placebo_named_not_runnable(study):
+    grid_won_by(study, "oar_g")
+    result = ll.report(8, study / "out.json", figure=study / "fig.png")
     assert (
         result["winner"] == "oar_g" and "shape_method" in result["placebo"]["keys"]["not_runnable"]
     )
