@@ -59,6 +59,20 @@ DISCARDED = [
         "folder and log were removed, so it restarted from step 0 at the next grid start",
         "wall_s": 600,  # its log is gone: an upper bound ("minutes after its start")
     },
+    {
+        "run": "gear_k1-seed3",
+        "when": "2026-11-26 10:55 UTC",
+        "why": "stopped by SIGTERM at the session's end after step 10 (checkpoint-10 saved); "
+        "it resumes from there, and its record says resumed",
+        "wall_s": 740,  # the process's elapsed time at the stop, plus the step it finished
+    },
+    {
+        "run": "rlsd-seed3",
+        "when": "2026-11-26 10:55 UTC",
+        "why": "stopped 67 s after its start (no step done); its run folder and log were "
+        "removed, so it restarts from step 0",
+        "wall_s": 70,
+    },
 ]
 
 #: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
