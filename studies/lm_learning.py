@@ -183,30 +183,26 @@ def run(arm: str, seed: int, placebo: bool = False) -> dict:
 def grid(seeds: int, workers: int) -> None:
     jobs = schedule(seeds)
     print(f"{len(jobs)} runs to go: {jobs}", flush=True)
+    run_jobs(jobs, workers)
+
+
+def placebo(arm: str, seeds: int, workers: int) -> None:
+    """The winner's placebo on the analysed seeds 0..seeds-1 (the rule, step 4)."""
+    placebo_keys(arm)  # refuse a bad arm before any run
+    jobs = [(arm, s) for s in range(seeds) if placebo_record(arm, s) is None]
+    print(f"{len(jobs)} placebo runs of {arm} to go: seeds {[s for _, s in jobs]}", flush=True)
+    run_jobs(jobs, workers, placebo=True)
+
+
+def run_jobs(jobs: list[tuple[str, int]], workers: int, placebo: bool = False) -> None:
+    """Each (arm, seed) job through `run`, `workers` at a time."""
     if not jobs:
         return
     # every arm shares the held-out scores before training (cached once, keyed by the config)
     lm_recipe.ensure_before("gate", "lora16_lr5e-4", "grpo")
 
     def go(job: tuple[str, int]) -> None:
-        r = run(*job)
-        print(f"kept {r['name']} ({r['wall_s'] / 60:.1f} min)", flush=True)
-
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(go, jobs))
-
-
-def placebo(arm: str, seeds: int, workers: int) -> None:
-    """The winner's placebo on the analysed seeds 0..seeds-1 (the rule, step 4)."""
-    placebo_keys(arm)  # refuse a bad arm before any run
-    jobs = [s for s in range(seeds) if placebo_record(arm, s) is None]
-    print(f"{len(jobs)} placebo runs of {arm} to go: seeds {jobs}", flush=True)
-    if not jobs:
-        return
-    lm_recipe.ensure_before("gate", "lora16_lr5e-4", "grpo")
-
-    def go(seed: int) -> None:
-        r = run(arm, seed, placebo=True)
+        r = run(*job, placebo=placebo)
         print(f"kept {r['name']} ({r['wall_s'] / 60:.1f} min)", flush=True)
 
     with ThreadPoolExecutor(workers) as pool:

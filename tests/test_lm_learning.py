@@ -252,3 +252,20 @@ def test_readme_lines_compare_nothing_when_the_gate_fails():
     text = ll.readme_summary(result)
     assert "gate failed" in text and "`gear`" not in text
     assert not result["grpo_beats_gear"]  # step 5 needs the gate too
+
+
+def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, monkeypatch):
+    ran = []
+    monkeypatch.setattr(ll.lm_recipe, "ensure_before", lambda *a: None)
+    monkeypatch.setattr(
+        ll.lm_recipe,
+        "train",
+        lambda name, keys, *a: ran.append((name, keys)) or {"name": name, "wall_s": 1.0},
+    )
+    (study / "lm_learning_runs").mkdir()
+    (study / "lm_learning_runs" / "placebo-rlsd-seed1.json").write_text("{}")
+    ll.placebo("rlsd", 3, workers=1)
+    assert [n for n, _ in ran] == ["placebo-rlsd-seed0", "placebo-rlsd-seed2"]
+    assert all(
+        k["credit_method"] == "random_shape" and k["credit_shape_method"] == "rlsd" for _, k in ran
+    )
