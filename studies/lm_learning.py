@@ -136,7 +136,7 @@ def placebo_keys(arm: str) -> dict[str, Any]:
     from gear.credit import CreditParams
 
     method = keys.get("credit_method", "gear")
-    CreditParams(method="random_shape", shape_method=method)  # refuses a method it cannot move
+    CreditParams(method="random_shape", shape_method=method)  # checks the method it moves
     return keys | {"credit_method": "random_shape", "credit_shape_method": method}
 
 
@@ -403,10 +403,7 @@ def report(seeds: int, out: Path, final: bool = False, figure: Path = FIGURE) ->
     winner = result["winner"]
     if winner is not None:
         shams = [placebo_record(winner, s) for s in range(n)]
-        try:
-            keys = placebo_keys(winner)
-        except ValueError as e:  # oar_g: random_shape is extended to it first (the amendment)
-            keys = {"not_runnable": str(e)}
+        keys = placebo_keys(winner)
         result["placebo"] = {"arm": winner, "keys": keys, "runs": sum(r is not None for r in shams)}
         if all(shams):
             d = paired([primary(r) for r in runs[winner]], [primary(r) for r in shams])

@@ -124,15 +124,11 @@ def test_no_comparison_when_the_baseline_does_not_learn():
     assert out["winner"] is None and out["beats_baseline"] == []
 
 
-def test_every_candidate_but_oar_g_has_a_placebo_gear_train_accepts():
+def test_every_candidate_has_a_placebo_gear_train_accepts():
     from gear.integrations.trl import GEARConfig
     from gear.run import resolve_config
 
     for arm in ll.CANDIDATES:
-        if arm == "oar_g":  # its influence signal is not one random_shape passes on: refused
-            with pytest.raises(ValueError, match="shape_method"):
-                ll.placebo_keys(arm)
-            continue
         if arm == "gear_k1_context":
             continue  # C* comes from issue 36's result; its keys are gear_k1's plus a context
         keys = ll.placebo_keys(arm)
@@ -235,12 +231,11 @@ def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(study):
     assert result["budget"]["new_runs"] == 8 * len(ll.ARMS)
 
 
-def test_an_oar_g_winner_is_reported_and_its_placebo_named_not_runnable(study):
+def test_an_oar_g_winner_is_reported_with_its_placebo_to_run(study):
     grid_won_by(study, "oar_g")
     result = ll.report(8, study / "out.json", figure=study / "fig.png")
-    assert (
-        result["winner"] == "oar_g" and "shape_method" in result["placebo"]["keys"]["not_runnable"]
-    )
+    assert result["winner"] == "oar_g" and result["placebo"]["runs"] == 0
+    assert result["placebo"]["keys"]["credit_shape_method"] == "oar_g"
     assert "placebo runs next" in result["decision"]
 
 

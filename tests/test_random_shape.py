@@ -81,10 +81,30 @@ def test_each_row_keeps_the_candidates_weights_sorted(n, t, data_seed, seed, met
     torch.testing.assert_close(mass, (adv[:, None] * torch.where(valid, cand, 0.0)).sum(dim=1))
 
 
-def test_random_shape_refuses_a_candidate_it_cannot_feed():
+def test_random_shape_of_oar_g_reads_the_influence_alone():
+    """OAR-G's weights come from the answer influence, not a teacher: its placebo needs no more."""
+    adv, valid, _ = batch(5, 9, seed=2, lengths=[9, 3, 0, 7, 9])
+    influence = torch.rand(5, 9, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    p = CreditParams(method="random_shape", shape_method="oar_g", seed=4, oar_answer_len=2)
+    assert p.required_signals == ("influence",)
+    cand = credit_details(adv, valid, influence=influence, params=CreditParams(method="oar_g"))
+    got = credit_details(adv, valid, influence=influence, params=p).weights
+    torch.testing.assert_close(got, loop_random_shape(cand.weights, valid, seed=4), rtol=0, atol=0)
+    assert not torch.equal(got, cand.weights)
+    with pytest.raises(ValueError, match=r"needs \['influence'\]"):
+        credit_details(adv, valid, kl=torch.rand(5, 9, dtype=torch.float64), params=p)
+
+
+def test_random_shape_reads_its_candidates_signals():
+    assert CreditParams(method="random_shape", shape_method="rlsd").required_signals == (
+        "student_logprobs",
+        "teacher_logprobs",
+    )
+    assert CreditParams(method="random_shape").required_signals == ("kl", "entropy")
+
+
+def test_random_shape_refuses_a_candidate_it_cannot_move():
     with pytest.raises(ValueError, match="shape_method"):
         CreditParams(method="random_shape", shape_method="random_shape")
-    with pytest.raises(ValueError, match=r"shape_method.*influence"):
-        CreditParams(method="random_shape", shape_method="oar_g")
     with pytest.raises(ValueError, match="shape_method"):
         CreditParams(shape_method="no_such_method")

@@ -1,5 +1,6 @@
-"""OAR-G through GEARTrainer: a step needs no teacher and no ground truth, and the influence
-of a left-padded batch equals a plain per-row full-logit oracle."""
+"""OAR-G through GEARTrainer: a step needs no teacher and no ground truth (nor does its
+shape-matched placebo), and the influence of a left-padded batch equals a plain per-row
+full-logit oracle."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ def test_oar_g_trains_without_a_teacher_or_a_ground_truth(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     logs = trainer.state.log_history[0]
     assert logs["gear/time_influence"] > 0 and logs["gear/fallback_rows"] == 0
+
+
+def test_oar_gs_placebo_trains_without_a_teacher_or_a_ground_truth(tmp_path):
+    data = dataset().remove_columns(["ground_truth"])
+    trainer = make_trainer(
+        tmp_path, data=data, credit_method="random_shape", credit_shape_method="oar_g"
+    )
+    before = parameters(trainer.model)
+    trainer.train()
+    after = parameters(trainer.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    logs = trainer.state.log_history[0]
+    assert logs["gear/time_influence"] > 0 and "gear/time_teacher" not in logs
 
 
 def test_influence_of_a_padded_batch_equals_a_per_row_oracle():

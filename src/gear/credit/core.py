@@ -87,8 +87,7 @@ def _inputs(
     for name, value in signals.items():
         _check(name, value, shape, "float")
 
-    method = METHODS[params.method]
-    requires = method.requires
+    requires = params.required_signals
     if params.contrast:
         if "kl" not in requires:
             raise ValueError(

@@ -307,12 +307,8 @@ def random(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return segmented(x, p, starts, stops=torch.zeros_like(starts))
 
 
-#: the signals `random_shape` passes on to the method whose weights it shuffles (a teacher pass
-#: gives all four; a candidate that needs another signal is refused by `CreditParams`)
-SHAPE_SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
-
-
-@register_method("random_shape", requires=SHAPE_SIGNALS)
+# it reads the signals of its `shape_method` (`CreditParams.required_signals`), so none here
+@register_method("random_shape")
 def random_shape(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Shape-matched placebo (ours): the weights of `shape_method` (run with the same params),
     each row's valid weights moved to a random permutation of the row's valid positions

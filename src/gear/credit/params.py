@@ -58,7 +58,8 @@ class CreditParams:
         default="gear",
         metadata={
             "help": "random_shape: the candidate method whose per-row weights it permutes to "
-            "random valid positions (the shape-matched placebo of that method)."
+            "random valid positions (the shape-matched placebo of that method); it reads the "
+            "candidate's signals."
         },
     )
     oar_answer_len: int = field(
@@ -102,7 +103,7 @@ class CreditParams:
     )
 
     def __post_init__(self) -> None:
-        from gear.credit.methods import METHODS, SHAPE_SIGNALS  # local: they import this module
+        from gear.credit.methods import METHODS  # local: it imports this module
 
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(
@@ -118,11 +119,6 @@ class CreditParams:
         if self.shape_method not in METHODS or self.shape_method == "random_shape":
             raise bad(
                 "shape_method", f"a credit method other than 'random_shape' {sorted(METHODS)}"
-            )
-        extra = set(METHODS[self.shape_method].requires) - set(SHAPE_SIGNALS)
-        if extra:
-            raise bad(
-                "shape_method", f"a method that needs only {SHAPE_SIGNALS} (not {sorted(extra)})"
             )
         if self.modulation not in MODULATIONS:
             raise bad("modulation", f"one of {list(MODULATIONS)}")
@@ -163,6 +159,15 @@ class CreditParams:
         for name in ("preserve_mass", "contrast"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
+
+    @property
+    def required_signals(self) -> tuple[str, ...]:
+        """The per-token signals `method` reads (`random_shape`: those of its `shape_method`,
+        whose weights it moves); `contrast` adds `contrast_kl` on top of these."""
+        from gear.credit.methods import METHODS
+
+        name = self.shape_method if self.method == "random_shape" else self.method
+        return METHODS[name].requires
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

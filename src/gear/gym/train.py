@@ -217,7 +217,7 @@ def answer_influence(
     """(N, T) OAR-G influence of each completion token on the log-probability of the
     completion's last `oar_answer_len` tokens (`gear.credit.attribution`; the task's answer is
     the last step's "r;"), or None when the arm's method reads no influence."""
-    if "influence" not in METHODS[arm.method].requires:
+    if "influence" not in arm.params(0).required_signals:
         return None
     k = arm.params(0).oar_answer_len
     span = answer_span(torch.ones_like(completions, dtype=torch.bool), k)

@@ -9,7 +9,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from gear.constraints import Check, check_fields, checked, field_checks
-from gear.credit import METHODS, CreditParams
+from gear.credit import CreditParams
 from gear.credit.params import CONTEXT_FIELDS
 from gear.credit.signals import LOGPROB_ESTIMATORS
 from gear.integrations.trl.states import sampling_shapers
@@ -198,7 +198,7 @@ class GEARConfig(GRPOConfig):
         super().__post_init__()
         self.credit_params  # noqa: B018  (validates every credit_* field)
         if self.teacher_context == "contrast":
-            if "kl" not in METHODS[self.credit_method].requires:
+            if "kl" not in self.credit_params.required_signals:
                 raise ValueError(
                     f"GEARConfig.teacher_context: 'contrast' subtracts a second teacher's KL, "
                     f"and credit_method={self.credit_method!r} reads no KL; use a method that "

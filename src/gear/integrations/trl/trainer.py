@@ -27,7 +27,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals
-from gear.credit.methods import METHODS
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
 from gear.integrations.trl.credit import ContrastSignals, batch_credit, without_unhinted_rows
@@ -187,7 +186,7 @@ class GEARTrainer(GRPOTrainer):
             )
 
         self.credit_params = args.credit_params
-        requires = METHODS[self.credit_params.method].requires
+        requires = self.credit_params.required_signals
         self_distill = args.loss_mode == "self_distill"
         # what this run computes: student signals (any requirement), a teacher (KL or its log-probs),
         # the answer influence (OAR-G: its own input-gradient pass, no signal pass)

@@ -139,13 +139,13 @@ class GearVerlSettings:
     @property
     def needs_signals(self) -> bool:
         """Whether the method reads any per-token signal (every method but gear_grpo)."""
-        return bool(METHODS[self.method].requires)
+        return bool(self.params.required_signals)
 
     @property
     def needs_teacher(self) -> bool:
         """Whether the method reads a teacher signal (KL, teacher log-probs): all but gear_grpo
         and gear_entropy_top, which reads the student's entropy alone."""
-        return bool(set(METHODS[self.method].requires) & set(TEACHER_SIGNALS))
+        return bool(set(self.params.required_signals) & set(TEACHER_SIGNALS))
 
 
 def _get(cfg: Any, path: str, default: Any = None) -> Any:
@@ -308,12 +308,12 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         params = g.credit_params(method)
     except ValueError as e:
         raise GearConfigError(f"gear.credit: {e}") from e
-    if "influence" in METHODS[method].requires:
+    if "influence" in params.required_signals:
         raise GearConfigError(
             f"algorithm.adv_estimator={estimator!r}: the verl integration computes no answer "
             "influence (OAR-G) yet; use TRL's GEARTrainer or the gym for this method"
         )
-    if params.contrast and "kl" not in METHODS[method].requires:
+    if params.contrast and "kl" not in params.required_signals:
         raise GearConfigError(
             f"gear.teacher_context: 'contrast' subtracts a second teacher's KL, and "
             f"algorithm.adv_estimator={estimator!r} reads no KL; use an estimator that does "

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gear.credit import METHODS, CreditDetails, CreditParams, credit_details
+from gear.credit import CreditDetails, CreditParams, credit_details
 from gear.integrations.verl.config import VERL_ESTIMATORS
 
 #: gear.credit signal name -> batch field name (in verl's batch / TransferQueue).
@@ -204,7 +204,7 @@ def gear_token_advantages(
         kwargs.get("gear_params") or (ctx.params if ctx is not None else None) or CreditParams()
     )
     params = dataclasses.replace(params, method=method) if params.method != method else params
-    requires = (*METHODS[method].requires, *(("contrast_kl",) if params.contrast else ()))
+    requires = (*params.required_signals, *(("contrast_kl",) if params.contrast else ()))
     # a signal verl's trainer never computes (OAR-G's influence) is named as itself
     missing = [OUTPUT_FIELDS.get(s, s) for s in requires if signals.get(s) is None]
     if missing:

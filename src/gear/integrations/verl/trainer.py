@@ -387,9 +387,7 @@ class GearPPOTrainer(PPOTrainerSync):
         )
 
     def _required_signals(self) -> tuple[str, ...]:
-        from gear.credit import METHODS
-
-        return METHODS[self.gear_settings.method].requires
+        return self.gear_settings.params.required_signals
 
     def _batch_credit_params(self) -> Any:
         p = self.gear_settings.params
