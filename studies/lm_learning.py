@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,8 @@ SEEDS = 11  # n_for_power(0.10, 0.0731, alpha=0.05/6): the rule's n
 EFFECT = 0.10  # the gain the rule is powered for
 PILOT_SD = 0.0731  # paired SD of gear - grpo, issue 35's seeds 0-4
 BASELINE = "grpo"
+GRID_COMMIT = "8347d7087e65b0fb7c35f6519b0ba808d7b09ef5"  # the grid's fixed checkout
+CHECK_STEPS = 3  # the placebo's pipeline check (the rule's 11:40 amendment)
 BUDGET_CORE_HOURS = 24.0  # the issue's budget for the new runs (the rule: "If the budget ends")
 FIGURE = ROOT / "docs" / "lm_learning.png"
 
@@ -187,11 +194,88 @@ def grid(seeds: int, workers: int) -> None:
 
 
 def placebo(arm: str, seeds: int, workers: int) -> None:
-    """The winner's placebo on the analysed seeds 0..seeds-1 (the rule, step 4)."""
+    """The winner's placebo on the analysed seeds 0..seeds-1 (the rule, step 4), once the
+    pipeline it shares with the winner is shown unchanged since the grid (`pipeline_check`)."""
     placebo_keys(arm)  # refuse a bad arm before any run
+    check = pipeline_check(arm)
+    if not check["equal"]:
+        raise RuntimeError(
+            f"{arm}: the first {CHECK_STEPS} steps at {check['head'][:7]} differ from those at "
+            f"the grid's {GRID_COMMIT[:7]} ({check['at_head']} vs {check['at_grid']}); the "
+            "placebo would not share the winner's pipeline"
+        )
     jobs = [(arm, s) for s in range(seeds) if placebo_record(arm, s) is None]
     print(f"{len(jobs)} placebo runs of {arm} to go: seeds {[s for _, s in jobs]}", flush=True)
     run_jobs(jobs, workers, placebo=True)
+
+
+def first_steps(keys: dict[str, Any], seed: int, steps: int, run_dir: Path, src: Path) -> list:
+    """The training reward of the first `steps` steps of `gear train --set keys` at `seed`, run
+    from the source tree `src` in `run_dir` and cut once they are logged (a smaller max_steps
+    would change the learning-rate schedule, and so the steps after the first)."""
+    from gear.run_callbacks import read_metrics
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = lm_recipe.gear_command(run_dir.name, keys, seed, False, run_dir.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src / "src")}
+    with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src)
+        try:
+            while proc.poll() is None:
+                rewards = [m["reward"] for m in read_metrics(run_dir / "metrics.jsonl")]
+                if len(rewards) >= steps:
+                    return rewards[:steps]
+                time.sleep(5)
+        finally:
+            proc.kill()
+            proc.wait()
+    raise RuntimeError(f"{run_dir.name}: gear train ended before step {steps}; see its log")
+
+
+@contextmanager
+def grid_tree() -> Iterator[Path]:
+    """A temporary checkout of the grid's commit (a git worktree under RUNS)."""
+    tree = RUNS / f"src-{GRID_COMMIT[:12]}"
+    git = ["git", "-C", str(ROOT), "worktree"]
+    subprocess.run([*git, "add", "--force", "--detach", str(tree), GRID_COMMIT], check=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run([*git, "remove", "--force", str(tree)], check=True)
+
+
+def pipeline_check(arm: str, out: Path | None = None) -> dict:
+    """The rule's 11:40 amendment: `arm`'s first CHECK_STEPS steps at seed 0, run at this
+    tree's commit and at the grid's, on this machine, log the same training reward (the
+    placebo runs later code; this shows the pipeline it shares with the winner unchanged).
+    Kept in `out` and reused while src/ and studies/ are unchanged since it ran."""
+    out = out or RESULTS / "lm_learning_placebo_check.json"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    head = head.stdout.strip()
+    if out.is_file():
+        kept = json.loads(out.read_text())
+        same = subprocess.run(
+            ["git", "diff", "--quiet", kept["head"], head, "--", "src", "studies"], cwd=ROOT
+        )
+        if kept["arm"] == arm and same.returncode == 0:
+            return kept
+    keys = keys_of(arm)
+    assert keys is not None, arm
+    print(f"pipeline check: {arm} seed 0, {CHECK_STEPS} steps at {GRID_COMMIT[:7]} and here")
+    with grid_tree() as tree:
+        at_grid = first_steps(keys, 0, CHECK_STEPS, RUNS / f"check-{arm}-grid", tree)
+    at_head = first_steps(keys, 0, CHECK_STEPS, RUNS / f"check-{arm}-head", ROOT)
+    import torch
+
+    result = {
+        "what": "the winner's first steps at the placebo's commit and at the grid's, on one "
+        "machine (training reward per step; no held-out score)",
+        "arm": arm, "keys": keys, "seed": 0, "grid_commit": GRID_COMMIT, "head": head,
+        "at_grid": at_grid, "at_head": at_head, "equal": at_grid == at_head,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }  # fmt: skip
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def run_jobs(jobs: list[tuple[str, int]], workers: int, placebo: bool = False) -> None:

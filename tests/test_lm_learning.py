@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -249,7 +250,32 @@ def test_readme_lines_compare_nothing_when_the_gate_fails():
     assert not result["grpo_beats_gear"]  # step 5 needs the gate too
 
 
-def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, monkeypatch):
+@pytest.fixture
+def pipeline(study, monkeypatch):
+    """The placebo's pipeline check with stubbed runs: `pipeline[commit]` is what each logs."""
+    steps = {"grid": [0.5, 0.25, 0.75], "head": [0.5, 0.25, 0.75]}
+    monkeypatch.setattr(ll, "grid_tree", lambda: nullcontext(study / "grid_tree"))
+    monkeypatch.setattr(ll, "RESULTS", study)
+    monkeypatch.setattr(
+        ll, "first_steps", lambda keys, seed, n, run_dir, src: steps[run_dir.name.split("-")[-1]]
+    )
+    return steps
+
+
+def test_placebo_refuses_to_run_when_the_pipeline_changed_since_the_grid(
+    study, pipeline, monkeypatch
+):
+    ran = []
+    monkeypatch.setattr(ll.lm_recipe, "train", lambda name, *a: ran.append(name))
+    pipeline["head"] = [0.5, 0.25, 0.8125]
+    with pytest.raises(RuntimeError, match="differ"):
+        ll.placebo("rlsd", 3, workers=1)
+    assert ran == []
+    check = json.loads((study / "lm_learning_placebo_check.json").read_text())
+    assert check["arm"] == "rlsd" and not check["equal"]
+
+
+def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeline, monkeypatch):
     ran = []
     monkeypatch.setattr(ll.lm_recipe, "ensure_before", lambda *a: None)
     monkeypatch.setattr(
@@ -260,6 +286,7 @@ def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, monkey
     (study / "lm_learning_runs").mkdir()
     (study / "lm_learning_runs" / "placebo-rlsd-seed1.json").write_text("{}")
     ll.placebo("rlsd", 3, workers=1)
+    assert json.loads((study / "lm_learning_placebo_check.json").read_text())["equal"]
     assert [n for n, _ in ran] == ["placebo-rlsd-seed0", "placebo-rlsd-seed2"]
     assert all(
         k["credit_method"] == "random_shape" and k["credit_shape_method"] == "rlsd" for _, k in ran
