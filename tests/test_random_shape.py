@@ -3,6 +3,8 @@ positions, against a plain loop and as a property (the multiset of each row's we
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -85,9 +87,10 @@ def test_random_shape_of_oar_g_reads_the_influence_alone():
     """OAR-G's weights come from the answer influence, not a teacher: its placebo needs no more."""
     adv, valid, _ = batch(5, 9, seed=2, lengths=[9, 3, 0, 7, 9])
     influence = torch.rand(5, 9, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-    p = CreditParams(method="random_shape", shape_method="oar_g", seed=4, oar_answer_len=2)
+    # a non-default answer length: the candidate runs with the placebo's own params
+    p = CreditParams(method="random_shape", shape_method="oar_g", seed=4, oar_answer_len=3)
     assert p.required_signals == ("influence",)
-    cand = credit_details(adv, valid, influence=influence, params=CreditParams(method="oar_g"))
+    cand = credit_details(adv, valid, influence=influence, params=replace(p, method="oar_g"))
     got = credit_details(adv, valid, influence=influence, params=p).weights
     torch.testing.assert_close(got, loop_random_shape(cand.weights, valid, seed=4), rtol=0, atol=0)
     assert not torch.equal(got, cand.weights)

@@ -37,6 +37,7 @@ def test_oar_gs_placebo_trains_without_a_teacher_or_a_ground_truth(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     logs = trainer.state.log_history[0]
     assert logs["gear/time_influence"] > 0 and "gear/time_teacher" not in logs
+    assert logs["gear/fallback_rows"] == 0
 
 
 def test_influence_of_a_padded_batch_equals_a_per_row_oracle():

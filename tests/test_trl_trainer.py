@@ -339,8 +339,9 @@ def test_rows_with_non_finite_signals_fall_back_to_grpo_and_training_continues(
     assert torch.isfinite(d.token_advantages).all()
 
 
-def test_random_method_draws_new_boundaries_each_step(tmp_path, tok):
-    trainer = make_trainer(tmp_path, tok, credit_method="random", credit_seed=3)
+@pytest.mark.parametrize("method", ["random", "random_shape"])
+def test_random_methods_draw_anew_each_step(tmp_path, tok, method):
+    trainer = make_trainer(tmp_path, tok, credit_method=method, credit_seed=3)
     seeds = set()
     for step in range(3):
         trainer.state.global_step = step

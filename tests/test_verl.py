@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from _verl_helpers import gear_worker, verl_on_cpu
-from gear.credit import METHODS, CreditParams, token_advantages
+from gear.credit import CreditParams, token_advantages
 from gear.credit.signals import signals_from_logits
 from gear.integrations.verl.config import (
     VERL_ESTIMATORS,
@@ -77,6 +77,36 @@ def verl_cfg(**over):
 
 
 # ------------------------------------------------------------------------------------- config
+
+
+def test_random_shape_needs_what_its_candidate_reads():
+    def settings(shape: str):
+        over = {
+            "algorithm.adv_estimator": "gear_random_shape",
+            "gear.credit": {"shape_method": shape},
+        }
+        return validate_verl_config(verl_cfg(**over))
+
+    assert settings("rlsd").needs_teacher
+    entropy = settings("entropy_top")  # the student's entropy alone: no teacher pass
+    assert entropy.needs_signals and not entropy.needs_teacher
+    with pytest.raises(GearConfigError, match="influence"):
+        settings("oar_g")  # verl computes no answer influence yet, for oar_g or its placebo
+
+
+def test_random_methods_draw_anew_each_step():
+    pytest.importorskip("verl")
+    from gear.integrations.verl import trainer as gear_trainer
+
+    for estimator in ("gear_random", "gear_random_shape"):
+        trainer = object.__new__(gear_trainer.GearPPOTrainer)
+        over = {"algorithm.adv_estimator": estimator, "gear.credit": {"seed": 3}}
+        trainer.gear_settings = validate_verl_config(verl_cfg(**over))
+        seeds = set()
+        for step in range(3):
+            trainer.global_steps = step
+            seeds.add(trainer._batch_credit_params().seed)
+        assert seeds == {3, 4, 5}, estimator
 
 
 def test_config_validation_errors(tmp_path):
@@ -229,7 +259,11 @@ def expected_token_advantages(rewards, mask, uids, signals, method, eps=1e-4, no
 
 #: estimators whose signals verl's trainer computes (OAR-G's answer influence it does not yet:
 #: `check_gear_config` refuses those, and a direct call names the missing signal, tested below)
-COMPUTED = sorted(n for n, m in VERL_ESTIMATORS.items() if "influence" not in METHODS[m].requires)
+COMPUTED = sorted(
+    n
+    for n, m in VERL_ESTIMATORS.items()
+    if "influence" not in CreditParams(method=m).required_signals
+)
 
 
 def test_estimator_without_its_signal_names_it():

@@ -307,6 +307,11 @@ def random(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return segmented(x, p, starts, stops=torch.zeros_like(starts))
 
 
+#: the methods that draw from `seed`: trainers add the step to it, so each step draws anew (as
+#: the gym does), rather than repeating one permutation for rows of the same length
+STEP_SEEDED = ("random", "random_shape")
+
+
 # it reads the signals of its `shape_method` (`CreditParams.required_signals`), so none here
 @register_method("random_shape")
 def random_shape(x: CreditInputs, p: CreditParams) -> MethodOutput:

@@ -119,7 +119,8 @@ class GEARConfig(GRPOConfig):
         metadata={
             "help": "Dataset column whose value fills the teacher hint's {ground_truth} (with "
             "environment_factory: the environment's attribute of this name, set by reset()); "
-            "needed only by methods that use the teacher (not 'grpo' or 'entropy_top'). A row whose "
+            "needed only by methods that use the teacher (not 'grpo', 'entropy_top', 'oar_g' or a "
+            "random_shape of these). A row whose "
             "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
         },
     )

@@ -27,6 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals
+from gear.credit.methods import STEP_SEEDED
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
 from gear.integrations.trl.credit import ContrastSignals, batch_credit, without_unhinted_rows
@@ -530,11 +531,11 @@ class GEARTrainer(GRPOTrainer):
         return self.model if self.teacher_model is None else self.teacher_model
 
     def _batch_credit_params(self) -> CreditParams:
-        """`credit_params`, with the 'random' method's seed varied per step."""
+        """`credit_params`, with a random method's seed varied per step (`STEP_SEEDED`)."""
         p = self.credit_params
         return (
             dataclasses.replace(p, seed=p.seed + self.state.global_step)
-            if p.method == "random"
+            if p.method in STEP_SEEDED
             else p
         )
 

@@ -49,6 +49,7 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from gear.credit.methods import STEP_SEEDED
 from gear.credit.signals import without_teacher
 from gear.integrations.verl.config import (
     TRAINER_MODE,
@@ -391,7 +392,7 @@ class GearPPOTrainer(PPOTrainerSync):
 
     def _batch_credit_params(self) -> Any:
         p = self.gear_settings.params
-        if p.method == "random":  # new boundaries every step
+        if p.method in STEP_SEEDED:  # a new draw every step
             p = dataclasses.replace(p, seed=p.seed + int(getattr(self, "global_steps", 0)))
         return p
 
