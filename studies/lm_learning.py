@@ -197,39 +197,52 @@ def placebo(arm: str, seeds: int, workers: int) -> None:
     """The winner's placebo on the analysed seeds 0..seeds-1 (the rule, step 4), once the
     pipeline it shares with the winner is shown unchanged since the grid (`pipeline_check`)."""
     placebo_keys(arm)  # refuse a bad arm before any run
+    jobs = [(arm, s) for s in range(seeds) if placebo_record(arm, s) is None]
+    print(f"{len(jobs)} placebo runs of {arm} to go: seeds {[s for _, s in jobs]}", flush=True)
+    if not jobs:
+        return
     check = pipeline_check(arm)
     if not check["equal"]:
         raise RuntimeError(
-            f"{arm}: the first {CHECK_STEPS} steps at {check['head'][:7]} differ from those at "
-            f"the grid's {GRID_COMMIT[:7]} ({check['at_head']} vs {check['at_grid']}); the "
-            "placebo would not share the winner's pipeline"
+            f"{arm}: its first {CHECK_STEPS} steps differ between this commit "
+            f"({check['head'][:7]}) and the grid's ({GRID_COMMIT[:7]}) or the grid's record: "
+            f"{json.dumps(check['differ'])}; the placebo would not share the winner's pipeline"
         )
-    jobs = [(arm, s) for s in range(seeds) if placebo_record(arm, s) is None]
-    print(f"{len(jobs)} placebo runs of {arm} to go: seeds {[s for _, s in jobs]}", flush=True)
     run_jobs(jobs, workers, placebo=True)
 
 
+#: what `pipeline_check` compares per step (`metrics.jsonl`): all are fixed by the pipeline
+CHECK_KEYS = ("reward", "loss", "grad_norm", "gear/kl_mean")
+
+
 def first_steps(keys: dict[str, Any], seed: int, steps: int, run_dir: Path, src: Path) -> list:
-    """The training reward of the first `steps` steps of `gear train --set keys` at `seed`, run
-    from the source tree `src` in `run_dir` and cut once they are logged (a smaller max_steps
-    would change the learning-rate schedule, and so the steps after the first)."""
+    """CHECK_KEYS of the first `steps` steps of `gear train --set keys` at `seed`, run from the
+    source tree `src` in `run_dir` and cut once they are logged (a smaller max_steps would
+    change the learning-rate schedule, and so the steps after the first)."""
     from gear.run_callbacks import read_metrics
+
+    def logged() -> list[dict]:
+        rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if "reward" in m]
+        return [{k: m.get(k) for k in CHECK_KEYS} for m in rows[:steps]]
 
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = lm_recipe.gear_command(run_dir.name, keys, seed, False, run_dir.parent)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src / "src")}
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src, start_new_session=True
+        )
         try:
-            while proc.poll() is None:
-                rewards = [m["reward"] for m in read_metrics(run_dir / "metrics.jsonl")]
-                if len(rewards) >= steps:
-                    return rewards[:steps]
+            while proc.poll() is None and len(logged()) < steps:
                 time.sleep(5)
         finally:
-            proc.kill()
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)  # the run and anything it started
             proc.wait()
-    raise RuntimeError(f"{run_dir.name}: gear train ended before step {steps}; see its log")
+    rows = logged()
+    if len(rows) < steps:
+        raise RuntimeError(f"{run_dir.name}: gear train ended before step {steps}; see its log")
+    return rows
 
 
 @contextmanager
@@ -237,42 +250,92 @@ def grid_tree() -> Iterator[Path]:
     """A temporary checkout of the grid's commit (a git worktree under RUNS)."""
     tree = RUNS / f"src-{GRID_COMMIT[:12]}"
     git = ["git", "-C", str(ROOT), "worktree"]
+    subprocess.run([*git, "remove", "--force", str(tree)], capture_output=True)  # a stale one
+    subprocess.run([*git, "prune"], check=True)
     subprocess.run([*git, "add", "--force", "--detach", str(tree), GRID_COMMIT], check=True)
     try:
         yield tree
     finally:
-        subprocess.run([*git, "remove", "--force", str(tree)], check=True)
+        done = subprocess.run([*git, "remove", "--force", str(tree)], capture_output=True)
+        if done.returncode != 0:
+            print(f"could not remove the worktree {tree}: {done.stderr.decode()}", flush=True)
+
+
+def uncommitted() -> str:
+    """Uncommitted changes to the code a run executes (runs record HEAD, not the tree)."""
+    paths = ["src", "studies", "pyproject.toml"]
+    done = subprocess.run(
+        ["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True, text=True
+    )
+    return done.stdout.strip()
 
 
 def pipeline_check(arm: str, out: Path | None = None) -> dict:
     """The rule's 11:40 amendment: `arm`'s first CHECK_STEPS steps at seed 0, run at this
-    tree's commit and at the grid's, on this machine, log the same training reward (the
-    placebo runs later code; this shows the pipeline it shares with the winner unchanged).
-    Kept in `out` and reused while src/ and studies/ are unchanged since it ran."""
+    tree's commit and at the grid's on this machine, log the same CHECK_KEYS, and their training
+    reward is the grid record's where the record ran on this CPU class (the placebo runs later
+    code; this shows the pipeline it shares with the winner unchanged). Kept in `out` and reused
+    while the arm, its keys, the CPU class and the code (src/, studies/, pyproject.toml) are."""
+    import torch
+
     out = out or RESULTS / "lm_learning_placebo_check.json"
+    if dirty := uncommitted():
+        raise RuntimeError(f"commit the code first (runs record HEAD, not the tree):\n{dirty}")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     head = head.stdout.strip()
+    keys = keys_of(arm)
+    if keys is None:
+        raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
+    capability = torch.backends.cpu.get_cpu_capability()
     if out.is_file():
         kept = json.loads(out.read_text())
         same = subprocess.run(
-            ["git", "diff", "--quiet", kept["head"], head, "--", "src", "studies"], cwd=ROOT
+            [
+                "git",
+                "diff",
+                "--quiet",
+                kept["head"],
+                head,
+                "--",
+                "src",
+                "studies",
+                "pyproject.toml",
+            ],
+            cwd=ROOT,
         )
-        if kept["arm"] == arm and same.returncode == 0:
+        if (kept["arm"], kept["keys"], kept["capability"]) == (arm, keys, capability) and (
+            same.returncode == 0
+        ):
             return kept
-    keys = keys_of(arm)
-    assert keys is not None, arm
     print(f"pipeline check: {arm} seed 0, {CHECK_STEPS} steps at {GRID_COMMIT[:7]} and here")
     with grid_tree() as tree:
         at_grid = first_steps(keys, 0, CHECK_STEPS, RUNS / f"check-{arm}-grid", tree)
     at_head = first_steps(keys, 0, CHECK_STEPS, RUNS / f"check-{arm}-head", ROOT)
-    import torch
-
+    grid_record = record(arm, 0)
+    assert grid_record is not None, f"{arm} seed 0 has no record"
+    differ = [
+        {"step": i + 1, "key": k, "grid": g[k], "head": h[k]}
+        for i, (g, h) in enumerate(zip(at_grid, at_head, strict=True))
+        for k in CHECK_KEYS
+        if g[k] != h[k]
+    ]
+    on_record_cpu = grid_record["capability"] == capability
+    if on_record_cpu:
+        recorded = grid_record["reward"][:CHECK_STEPS]
+        differ += [
+            {"step": i + 1, "key": "reward", "record": r, "head": h["reward"]}
+            for i, (r, h) in enumerate(zip(recorded, at_head, strict=True))
+            if r != h["reward"]
+        ]
     result = {
         "what": "the winner's first steps at the placebo's commit and at the grid's, on one "
-        "machine (training reward per step; no held-out score)",
+        "machine, and against the grid's record where it ran on this CPU class (training "
+        "metrics per step; no held-out score)",
         "arm": arm, "keys": keys, "seed": 0, "grid_commit": GRID_COMMIT, "head": head,
-        "at_grid": at_grid, "at_head": at_head, "equal": at_grid == at_head,
-        "capability": torch.backends.cpu.get_cpu_capability(),
+        "compared": list(CHECK_KEYS), "at_grid": at_grid, "at_head": at_head,
+        "record": grid_record["name"], "record_capability": grid_record["capability"],
+        "against_record": on_record_cpu, "differ": differ, "equal": not differ,
+        "capability": capability,
     }  # fmt: skip
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result

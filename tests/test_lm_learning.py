@@ -250,16 +250,28 @@ def test_readme_lines_compare_nothing_when_the_gate_fails():
     assert not result["grpo_beats_gear"]  # step 5 needs the gate too
 
 
+def steps_of(rewards: list[float]) -> list[dict]:
+    return [{"reward": r, "loss": 0.1, "grad_norm": 0.2, "gear/kl_mean": None} for r in rewards]
+
+
 @pytest.fixture
 def pipeline(study, monkeypatch):
-    """The placebo's pipeline check with stubbed runs: `pipeline[commit]` is what each logs."""
-    steps = {"grid": [0.5, 0.25, 0.75], "head": [0.5, 0.25, 0.75]}
+    """The placebo's pipeline check with stubbed runs: `pipeline[tree]` is what the run from
+    each tree logs ('grid', 'head'); `pipeline["runs"]` lists the runs made. rlsd seed 0's grid
+    record logged rewards [0.2, 0.3, 0.4] on AVX2, the CPU class of this stubbed machine."""
+    logs = {"grid": steps_of([0.2, 0.3, 0.4]), "head": steps_of([0.2, 0.3, 0.4]), "runs": []}
+
+    def first_steps(keys, seed, n, run_dir, src):
+        logs["runs"].append(run_dir.name)
+        return logs[run_dir.name.split("-")[-1]]
+
+    monkeypatch.setattr(ll, "first_steps", first_steps)
     monkeypatch.setattr(ll, "grid_tree", lambda: nullcontext(study / "grid_tree"))
-    monkeypatch.setattr(ll, "RESULTS", study)
-    monkeypatch.setattr(
-        ll, "first_steps", lambda keys, seed, n, run_dir, src: steps[run_dir.name.split("-")[-1]]
-    )
-    return steps
+    monkeypatch.setattr(ll, "uncommitted", lambda: "")
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX2")
+    (study / "lm_learning_runs").mkdir()
+    (study / "lm_learning_runs" / "rlsd-seed0.json").write_text(json.dumps(fake("rlsd", 0, 0.5)))
+    return logs
 
 
 def test_placebo_refuses_to_run_when_the_pipeline_changed_since_the_grid(
@@ -267,12 +279,40 @@ def test_placebo_refuses_to_run_when_the_pipeline_changed_since_the_grid(
 ):
     ran = []
     monkeypatch.setattr(ll.lm_recipe, "train", lambda name, *a: ran.append(name))
-    pipeline["head"] = [0.5, 0.25, 0.8125]
+    pipeline["head"] = steps_of([0.2, 0.3, 0.4375])
     with pytest.raises(RuntimeError, match="differ"):
         ll.placebo("rlsd", 3, workers=1)
     assert ran == []
     check = json.loads((study / "lm_learning_placebo_check.json").read_text())
     assert check["arm"] == "rlsd" and not check["equal"]
+    assert {d["key"] for d in check["differ"]} == {"reward"}
+
+
+def test_pipeline_check_compares_with_the_grids_record_on_its_cpu_class(study, pipeline):
+    # today's two trees agree, but not with what the grid logged on this CPU class
+    pipeline["grid"] = pipeline["head"] = steps_of([0.2, 0.3, 0.5])
+    check = ll.pipeline_check("rlsd")
+    assert not check["equal"] and check["differ"] == [
+        {"step": 3, "key": "reward", "record": 0.4, "head": 0.5}
+    ]
+    # a record from another CPU class cannot be matched digit for digit: the trees are compared
+    path = study / "lm_learning_runs" / "rlsd-seed0.json"
+    path.write_text(json.dumps(fake("rlsd", 0, 0.5) | {"capability": "AVX512"}))
+    check = ll.pipeline_check("rlsd", out=study / "other.json")
+    assert check["equal"] and not check["against_record"]
+
+
+def test_pipeline_check_is_reused_only_for_the_same_arm_keys_and_code(study, pipeline, monkeypatch):
+    first = ll.pipeline_check("rlsd")
+    assert first["equal"] and first["against_record"]
+    assert ll.pipeline_check("rlsd") == first and len(pipeline["runs"]) == 2  # reused
+    keys = dict(ll.ARMS["rlsd"])
+    monkeypatch.setattr(ll, "keys_of", lambda arm: keys | {"credit_rlsd_lambda": 0.3})
+    ll.pipeline_check("rlsd")
+    assert len(pipeline["runs"]) == 4  # other keys: run again
+    monkeypatch.setattr(ll, "uncommitted", lambda: " M src/gear/run.py")
+    with pytest.raises(RuntimeError, match="commit the code first"):
+        ll.pipeline_check("rlsd")
 
 
 def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeline, monkeypatch):
@@ -283,7 +323,6 @@ def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeli
         "train",
         lambda name, keys, *a: ran.append((name, keys)) or {"name": name, "wall_s": 1.0},
     )
-    (study / "lm_learning_runs").mkdir()
     (study / "lm_learning_runs" / "placebo-rlsd-seed1.json").write_text("{}")
     ll.placebo("rlsd", 3, workers=1)
     assert json.loads((study / "lm_learning_placebo_check.json").read_text())["equal"]
@@ -291,3 +330,9 @@ def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeli
     assert all(
         k["credit_method"] == "random_shape" and k["credit_shape_method"] == "rlsd" for _, k in ran
     )
+    # every placebo run kept: nothing to run, so no check either
+    for s in (0, 2):
+        (study / "lm_learning_runs" / f"placebo-rlsd-seed{s}.json").write_text("{}")
+    (study / "lm_learning_placebo_check.json").unlink()
+    ll.placebo("rlsd", 3, workers=1)
+    assert len(pipeline["runs"]) == 2 and not (study / "lm_learning_placebo_check.json").exists()
