@@ -52,7 +52,7 @@ EFFECT = 0.10  # the gain the rule is powered for
 PILOT_SD = 0.0731  # paired SD of gear - grpo, issue 35's seeds 0-4
 BASELINE = "grpo"
 GRID_COMMIT = "8347d7087e65b0fb7c35f6519b0ba808d7b09ef5"  # the grid's fixed checkout
-CHECK_STEPS = 3  # the placebo's pipeline check (the rule's 11:40 amendment)
+CHECK_STEPS = 3  # the placebo's pipeline check (the rule's 11:37 amendment)
 BUDGET_CORE_HOURS = 24.0  # the issue's budget for the new runs (the rule: "If the budget ends")
 FIGURE = ROOT / "docs" / "lm_learning.png"
 
@@ -271,7 +271,7 @@ def uncommitted() -> str:
 
 
 def pipeline_check(arm: str, out: Path | None = None) -> dict:
-    """The rule's 11:40 amendment: `arm`'s first CHECK_STEPS steps at seed 0, run at this
+    """The rule's 11:37 amendment: `arm`'s first CHECK_STEPS steps at seed 0, run at this
     tree's commit and at the grid's on this machine, log the same CHECK_KEYS, and their training
     reward is the grid record's where the record ran on this CPU class (the placebo runs later
     code; this shows the pipeline it shares with the winner unchanged). Kept in `out` and reused
