@@ -80,6 +80,20 @@ DISCARDED = [
         "removed, so it restarts from step 0",
         "wall_s": 70,
     },
+    {
+        "run": "gear-seed5",
+        "when": "2026-11-26 13:58 UTC",
+        "why": "stopped by SIGTERM at the session's end after step 14 (checkpoint-14 saved); "
+        "it resumes from there, and its record says resumed",
+        "wall_s": 1730,  # 13:29:18 to the checkpoint at 13:58:07
+    },
+    {
+        "run": "gear_k1-seed5",
+        "when": "2026-11-26 13:58 UTC",
+        "why": "stopped by SIGTERM at the session's end after step 1 (checkpoint-1 saved); "
+        "it resumes from there, and its record says resumed",
+        "wall_s": 95,  # 13:57:37 to the checkpoint at 13:59:11
+    },
 ]
 
 #: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
