@@ -94,6 +94,20 @@ DISCARDED = [
         "it resumes from there, and its record says resumed",
         "wall_s": 95,  # 13:57:37 to the checkpoint at 13:59:11
     },
+    {
+        "run": "gear_k1-seed5",
+        "when": "2026-11-26 14:20 UTC",
+        "why": "its second piece: resumed at 14:08:55 and stopped by SIGTERM at the session's "
+        "end after step 11 (checkpoint-11 saved); it resumes from there",
+        "wall_s": 680,  # 14:08:55 to the checkpoint at 14:20:15
+    },
+    {
+        "run": "rlsd-seed5",
+        "when": "2026-11-26 14:20 UTC",
+        "why": "stopped by SIGTERM at the session's end after step 2 (checkpoint-2 saved); it "
+        "resumes from there, and its record says resumed",
+        "wall_s": 160,  # 14:17:03 to the checkpoint at 14:19:42
+    },
 ]
 
 #: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
