@@ -208,10 +208,9 @@ def run(arm: str, seed: int, placebo: bool = False) -> dict:
     keys = placebo_keys(arm) if placebo else keys_of(arm)
     if keys is None:
         raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     name = f"placebo-{arm}-seed{seed}" if placebo else f"{arm}-seed{seed}"
     stage = "lm_learning_placebo" if placebo else "lm_learning"
-    meta = {"stage": stage, "arm": arm, "keys": keys, "commit": head.stdout.strip()}
+    meta = {"stage": stage, "arm": arm, "keys": keys, "commit": head_commit()}
     return lm_recipe.train(name, keys, seed, meta, RUNS, RECORDS)
 
 
@@ -277,25 +276,33 @@ def first_steps(keys: dict[str, Any], seed: int, steps: int, run_dir: Path, src:
 def grid_tree() -> Iterator[Path]:
     """A temporary checkout of the grid's commit (a git worktree under RUNS)."""
     tree = RUNS / f"src-{GRID_COMMIT[:12]}"
-    git = ["git", "-C", str(ROOT), "worktree"]
-    subprocess.run([*git, "remove", "--force", str(tree)], capture_output=True)  # a stale one
-    subprocess.run([*git, "prune"], check=True)
-    subprocess.run([*git, "add", "--force", "--detach", str(tree), GRID_COMMIT], check=True)
+    worktree = ["git", "-C", str(ROOT), "worktree"]
+    subprocess.run([*worktree, "remove", "--force", str(tree)], capture_output=True)  # a stale one
+    subprocess.run([*worktree, "prune"], check=True)
+    subprocess.run([*worktree, "add", "--force", "--detach", str(tree), GRID_COMMIT], check=True)
     try:
         yield tree
     finally:
-        done = subprocess.run([*git, "remove", "--force", str(tree)], capture_output=True)
+        done = subprocess.run([*worktree, "remove", "--force", str(tree)], capture_output=True)
         if done.returncode != 0:
             print(f"could not remove the worktree {tree}: {done.stderr.decode()}", flush=True)
 
 
+#: the code a run executes (what the pipeline check's reuse and refusal look at)
+CODE_PATHS = ("src", "studies", "pyproject.toml")
+
+
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def head_commit() -> str:
+    return git("rev-parse", "HEAD").stdout.strip()
+
+
 def uncommitted() -> str:
     """Uncommitted changes to the code a run executes (runs record HEAD, not the tree)."""
-    paths = ["src", "studies", "pyproject.toml"]
-    done = subprocess.run(
-        ["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True, text=True
-    )
-    return done.stdout.strip()
+    return git("status", "--porcelain", "--", *CODE_PATHS).stdout.strip()
 
 
 def pipeline_check(arm: str, out: Path | None = None) -> dict:
@@ -309,28 +316,14 @@ def pipeline_check(arm: str, out: Path | None = None) -> dict:
     out = out or RESULTS / "lm_learning_placebo_check.json"
     if dirty := uncommitted():
         raise RuntimeError(f"commit the code first (runs record HEAD, not the tree):\n{dirty}")
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    head = head.stdout.strip()
+    head = head_commit()
     keys = keys_of(arm)
     if keys is None:
         raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
     capability = torch.backends.cpu.get_cpu_capability()
     if out.is_file():
         kept = json.loads(out.read_text())
-        same = subprocess.run(
-            [
-                "git",
-                "diff",
-                "--quiet",
-                kept["head"],
-                head,
-                "--",
-                "src",
-                "studies",
-                "pyproject.toml",
-            ],
-            cwd=ROOT,
-        )
+        same = git("diff", "--quiet", kept["head"], head, "--", *CODE_PATHS)
         if (kept["arm"], kept["keys"], kept["capability"]) == (arm, keys, capability) and (
             same.returncode == 0
         ):
