@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -388,6 +389,12 @@ def status(seeds: int) -> None:
         f"complete rounds {complete_rounds(seeds)}/{seeds}; new runs {b['new_runs']}, "
         f"{b['core_hours_used']:.1f} of {b['core_hours']:.0f} core-hours"
     )
+    fits = b["rounds_in_budget"]
+    print(
+        f"at {b['core_hours_per_run']:.2f} core-hours per run, rounds 0-{fits - 1} fit the "
+        f"budget: run `grid --seeds {fits}`"
+        + ("" if fits == seeds else f" (round {fits} would end past {b['core_hours']:.0f})")
+    )
 
 
 def budget(seeds: int) -> dict[str, Any]:
@@ -400,10 +407,24 @@ def budget(seeds: int) -> dict[str, Any]:
         for p in sorted(RECORDS.glob("*-seed*.json"))
         if not p.name.startswith("placebo-")
     ]
+    used = (sum(r["wall_s"] for r in own) + sum(d["wall_s"] for d in DISCARDED)) / 3600
+    # A round starts only if it is projected to end within the budget (the rule's 2026-11-26
+    # 15:15 UTC amendment): a round the budget cannot finish adds nothing to the analysis.
+    # Each missing run is costed at the mean of the new runs so far, discarded pieces included
+    # (a run resuming from a checkpoint is costed in full: the projection errs early).
+    per_run = used / len(own) if own else BUDGET_CORE_HOURS / max(len(schedule(seeds)), 1)
+    missing = Counter(s for _, s in schedule(seeds))
+    fits, projected = 0, used
+    while fits < seeds and (
+        not missing[fits] or projected + missing[fits] * per_run <= BUDGET_CORE_HOURS
+    ):
+        projected += missing[fits] * per_run
+        fits += 1
     return {
         "core_hours": BUDGET_CORE_HOURS,
-        "core_hours_used": (sum(r["wall_s"] for r in own) + sum(d["wall_s"] for d in DISCARDED))
-        / 3600,
+        "core_hours_used": used,
+        "core_hours_per_run": per_run,
+        "rounds_in_budget": fits,
         "new_runs": len(own),
         "runs_asked": len(ARMS) * seeds - sum(min(seeds, len(r)) for _, r in REUSED.values()),
         "counted_as": "wall seconds of each new run at one thread (an upper bound)",
@@ -518,6 +539,11 @@ def report(seeds: int, out: Path, final: bool = False, figure: Path = FIGURE) ->
         raise SystemExit(
             f"report: {n} of {seeds} rounds complete; the rule analyses only when all are, or "
             "once when the budget ends (report --final)"
+        )
+    if n < seeds and budget(seeds)["rounds_in_budget"] > n:
+        raise SystemExit(
+            f"report --final: the budget still fits round {n}; the rule analyses early only "
+            "when the next round cannot finish within it (`status` prints what fits)"
         )
     if n < 2:
         raise SystemExit(f"report: {n} complete rounds; the analysis needs every arm's seeds")

@@ -180,6 +180,11 @@ def test_report_waits_for_every_round_unless_the_budget_ended(study, monkeypatch
     write_grid(dirs, after)
     with pytest.raises(SystemExit, match="3 of 4 rounds complete"):
         ll.report(4, dirs / "out.json", figure=dirs / "fig.png")
+    # 11.5 core-hours used by 22 runs: round 3's six missing runs (3.1) still fit 24
+    with pytest.raises(SystemExit, match="still fits round 3"):
+        ll.report(4, dirs / "out.json", final=True, figure=dirs / "fig.png")
+    assert not (dirs / "out.json").exists()
+    monkeypatch.setattr(ll, "BUDGET_CORE_HOURS", 12.0)  # they do not fit 12
     result = ll.report(4, dirs / "out.json", final=True, figure=dirs / "fig.png")
     assert result["seeds"] == [0, 1, 2] and not result["complete"]
     assert json.loads((dirs / "out.json").read_text())["decision"] == result["decision"]
@@ -203,6 +208,26 @@ def test_report_waits_for_every_round_unless_the_budget_ended(study, monkeypatch
     with pytest.raises(SystemExit, match="the rule's n is 4"):
         ll.report(3, dirs / "other.json", final=True, figure=dirs / "fig.png")
     assert (dirs / "fig.png").stat().st_size > 10_000
+
+
+def test_a_round_starts_only_if_it_ends_within_the_budget(study, monkeypatch, capsys):
+    dirs = study  # 8 seeds asked, 7 arms
+    monkeypatch.setattr(ll, "DISCARDED", [{"run": "x", "wall_s": 3600.0}])
+    after = {arm: BASE[:2] for arm in ll.ARMS}  # rounds 0-1: 14 runs x 0.5 h + 1 h = 8 h
+    after["gear"] = BASE[:3]  # and one run of round 2: 15 runs, 8.5 h, 0.567 h per run
+    write_grid(dirs, after)
+    b = ll.budget(8)
+    assert b["core_hours_used"] == pytest.approx(8.5)
+    assert b["core_hours_per_run"] == pytest.approx(8.5 / 15)
+    # round 2 lacks 6 runs (3.4 h -> 11.9), rounds 3.. 7 each (4.0 h): 15.9, 19.8, 23.8, 27.7
+    assert b["rounds_in_budget"] == 6
+    ll.status(8)
+    assert "rounds 0-5 fit the budget: run `grid --seeds 6` (round 6 would end past 24)" in (
+        capsys.readouterr().out
+    )
+    # once spent, the complete rounds still count as in the budget and nothing more fits
+    monkeypatch.setattr(ll, "BUDGET_CORE_HOURS", 5.0)
+    assert ll.budget(8)["rounds_in_budget"] == 2
 
 
 def test_a_winner_becomes_the_default_only_if_it_beats_its_placebo(study):
