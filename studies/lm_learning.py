@@ -409,7 +409,7 @@ def budget(seeds: int) -> dict[str, Any]:
     ]
     used = (sum(r["wall_s"] for r in own) + sum(d["wall_s"] for d in DISCARDED)) / 3600
     # A round starts only if it is projected to end within the budget (the rule's 2026-11-26
-    # 15:15 UTC amendment): a round the budget cannot finish adds nothing to the analysis.
+    # 15:13 UTC amendment): a round the budget cannot finish adds nothing to the analysis.
     # Each missing run is costed at the mean of the new runs so far, discarded pieces included
     # (a run resuming from a checkpoint is costed in full: the projection errs early).
     per_run = used / len(own) if own else BUDGET_CORE_HOURS / max(len(schedule(seeds)), 1)
