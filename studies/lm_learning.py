@@ -109,6 +109,20 @@ DISCARDED = [
         "resumes from there, and its record says resumed",
         "wall_s": 160,  # 14:17:03 to the checkpoint at 14:19:42
     },
+    {
+        "run": "departure_blame_k1-seed7",
+        "when": "2026-11-26 17:29 UTC",
+        "why": "stopped by SIGTERM at the session's end after step 5 (checkpoint-5 saved); it "
+        "resumes from there, and its record says resumed",
+        "wall_s": 365,  # 17:23:54 to the checkpoint at 17:29:56
+    },
+    {
+        "run": "oar_g-seed7",
+        "when": "2026-11-26 17:29 UTC",
+        "why": "stopped by SIGTERM at the session's end after step 1 (checkpoint-1 saved); it "
+        "resumes from there, and its record says resumed",
+        "wall_s": 95,  # 17:28:25 to the checkpoint at 17:29:59
+    },
 ]
 
 #: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
