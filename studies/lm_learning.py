@@ -426,8 +426,9 @@ def budget(seeds: int) -> dict[str, Any]:
     # 15:13 UTC amendment): a round the budget cannot finish adds nothing to the analysis.
     # Each missing run is costed at the mean of the new runs so far, discarded pieces included
     # (a run resuming from a checkpoint is costed in full: the projection errs early).
-    per_run = used / len(own) if own else BUDGET_CORE_HOURS / max(len(schedule(seeds)), 1)
-    missing = Counter(s for _, s in schedule(seeds))
+    jobs = schedule(seeds)
+    per_run = used / len(own) if own else BUDGET_CORE_HOURS / max(len(jobs), 1)
+    missing = Counter(s for _, s in jobs)
     fits, projected = 0, used
     while fits < seeds and (
         not missing[fits] or projected + missing[fits] * per_run <= BUDGET_CORE_HOURS
@@ -554,7 +555,8 @@ def report(seeds: int, out: Path, final: bool = False, figure: Path = FIGURE) ->
             f"report: {n} of {seeds} rounds complete; the rule analyses only when all are, or "
             "once when the budget ends (report --final)"
         )
-    if n < seeds and budget(seeds)["rounds_in_budget"] > n:
+    spent = budget(seeds)
+    if n < seeds and spent["rounds_in_budget"] > n:
         raise SystemExit(
             f"report --final: the budget still fits round {n}; the rule analyses early only "
             "when the next round cannot finish within it (`status` prints what fits)"
@@ -585,7 +587,7 @@ def report(seeds: int, out: Path, final: bool = False, figure: Path = FIGURE) ->
             "at_pilot_sd": power_at(EFFECT, PILOT_SD, n, alpha),
             "mde_at_pilot_sd": mde(PILOT_SD, n, alpha),
         },
-        "budget": budget(seeds) | {"final": final},
+        "budget": spent | {"final": final},
         "paired": "by seed (prompts, sampling, LoRA init)",
         "per_seed": {
             arm: [
