@@ -686,7 +686,7 @@ def plot(result: dict, path: Path) -> Path:
     right.invert_yaxis()
     right.set_xlabel("candidate − grpo, paired by seed")
     right.set_title(result["decision"], fontsize=8, wrap=True)
-    right.legend(fontsize=7, loc="lower right")
+    right.legend(fontsize=7, loc="upper left")  # the lower rows hold intervals
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
