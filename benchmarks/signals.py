@@ -1,8 +1,14 @@
 """Per-token reverse KL + entropy over the full vocabulary: naive full logits vs gear's
-chunked-logits path vs gear's hidden-state path vs TRL's chunked divergence kernel.
+chunked-logits path vs gear's hidden-state chunk kernel (`hidden`, the CPU's) vs gear's fold
+(`fold`, the GPU's: `gear.credit.fold`) vs TRL's chunked divergence kernel, with the floor of
+each: the chunk kernel's GEMMs (`gemm_only`) and the fold's float32-output tile GEMMs
+(`gemm_tiles`).
 
     .venv/bin/python benchmarks/signals.py --vocab 49152 --T 512 2048
     .venv/bin/python benchmarks/signals.py --vocab 49152 151936 --T 512 2048 8192 --chunk-size 256 1024
+    # on a GPU (the name is recorded): bf16 as a bf16 run projects
+    python benchmarks/signals.py --device cuda --dtype bfloat16 --hidden 2048 --T 16384 \
+        --vocab 151936 49152 --methods hidden fold trl gemm_only gemm_tiles --chunk-size 256 4096
 
 Each case runs in a fresh process; time is the median of --repeats calls, memory the peak
 extra RSS (CPU) or max allocated (CUDA) above the inputs.
@@ -19,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import isolated, print_table, time_and_memory, write_json
 
-METHODS = ("naive", "chunked_logits", "hidden", "trl", "gemm_only")
+METHODS = ("naive", "chunked_logits", "hidden", "fold", "trl", "gemm_only", "gemm_tiles")
 CHUNKED = ("chunked_logits", "hidden", "gemm_only")
 
 
@@ -67,7 +73,11 @@ def case(
 
     @torch.no_grad()
     def hidden():
-        return signals_from_hidden(hs, ht, W, ids, chunk_size=chunk_size)
+        return signals_from_hidden(hs, ht, W, ids, chunk_size=chunk_size, kernel="chunk")
+
+    @torch.no_grad()
+    def fold():
+        return signals_from_hidden(hs, ht, W, ids, kernel="fold")
 
     @torch.no_grad()
     def trl():
@@ -86,8 +96,22 @@ def case(
             torch.nn.functional.linear(h_s[a : a + chunk_size], W)
             torch.nn.functional.linear(h_t[a : a + chunk_size], W)
 
+    @torch.no_grad()
+    def gemm_tiles():  # the fold's float32-output tile GEMMs and nothing else: its floor
+        from gear.credit.fold import TOKEN_TILE, VOCAB_TILE, _project
+
+        h_s, h_t = hs.reshape(-1, H), ht.reshape(-1, H)
+        buf = torch.empty(min(TOKEN_TILE, h_s.shape[0]), VOCAB_TILE, device=device)
+        for a in range(0, h_s.shape[0], TOKEN_TILE):
+            for c in range(0, V, VOCAB_TILE):
+                n, d = min(TOKEN_TILE, h_s.shape[0] - a), min(c + VOCAB_TILE, V)
+                _project(buf[:n, : d - c], h_s[a : a + n], W[c:d], None)
+                _project(buf[:n, : d - c], h_t[a : a + n], W[c:d], None)
+
     fn = {
         "naive": naive,
+        "fold": fold,
+        "gemm_tiles": gemm_tiles,
         "chunked_logits": chunked_logits,
         "hidden": hidden,
         "trl": trl,
@@ -116,19 +140,41 @@ def _available_gb() -> float:
         return float("inf")
 
 
-def check_agreement(V: int, device: str) -> float:
-    """Max |KL difference| between gear's hidden path and TRL's kernel on a small case."""
+def check_agreement(V: int, device: str) -> dict:
+    """Max |difference| on small float32 cases: gear's chunk kernel vs TRL's kernel (KL), and
+    gear's fold vs its chunk kernel (KL, entropy and both log-probs) for each estimator the fold
+    computes, with and without softcap, bias, temperature and a separate teacher head."""
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
+    from gear.credit.fold import FOLD_ESTIMATORS
     from gear.credit.signals import signals_from_hidden
 
     hs, ht, W, ids = _inputs(1, 64, 64, V, torch.float32, device)
-    ours = signals_from_hidden(hs, ht, W, ids).kl.reshape(-1)
+    chunk = signals_from_hidden(hs, ht, W, ids, kernel="chunk")
     with torch.no_grad():
         theirs, _ = ChunkedDivergenceFunction.apply(
             hs.reshape(-1, 64), W, None, ht.reshape(-1, 64), W, None, 1.0, 1.0, 1.0, None, 1.0, None
         )
-    return float((ours - theirs.reshape(-1).float()).abs().max())
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(V, generator=g).to(device)
+    w_t = (W.cpu() + 0.1 * torch.randn(W.shape, generator=g)).to(device)
+    fold_diff = 0.0
+    for estimator in FOLD_ESTIMATORS:
+        for extra in (
+            {},
+            {"temperature": 0.7, "lm_head_bias": bias},
+            {"softcap": 30.0, "teacher_lm_head_weight": w_t, "temperature": 1.3},
+        ):
+            a, b = (
+                signals_from_hidden(hs, ht, W, ids, estimator=estimator, kernel=k, **extra)
+                for k in ("chunk", "fold")
+            )
+            for k in ("kl", "entropy", "student_logprobs", "teacher_logprobs"):
+                fold_diff = max(fold_diff, float((getattr(a, k) - getattr(b, k)).abs().max()))
+    return {
+        "diff": float((chunk.kl.reshape(-1) - theirs.reshape(-1).float()).abs().max()),
+        "fold_vs_chunk": fold_diff,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -213,20 +259,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "error",
     ]
     print_table(rows, cols, f"Reverse KL + entropy, {args.dtype} on {args.device}")
-    agreement = None
+    agreement = fold_diff = None
     if "trl" in args.methods:
-        agreement = isolated_agreement(args.vocab[0], args.device)
-        print(f"max |KL(gear hidden) - KL(TRL kernel)| on a 64-token case: {agreement:.2e}")
-    write_json(args.name, {"args": vars(args), "rows": rows, "max_abs_diff_vs_trl": agreement})
+        checked = isolated(check_agreement, V=args.vocab[0], device=args.device)
+        agreement = checked.get("diff", float("nan"))
+        fold_diff = checked.get("fold_vs_chunk", float("nan"))
+        print(f"max |KL(gear chunk) - KL(TRL kernel)| on a 64-token case: {agreement:.2e}")
+        print(f"max |fold - chunk| over KL, entropy, log-probs (float32): {fold_diff:.2e}")
+    payload = {"args": vars(args), "rows": rows, "max_abs_diff_vs_trl": agreement}
+    write_json(args.name, {**payload, "max_abs_diff_fold_vs_chunk": fold_diff})
     return rows
-
-
-def _agreement(V: int, device: str) -> dict:
-    return {"diff": check_agreement(V, device)}
-
-
-def isolated_agreement(V: int, device: str) -> float:
-    return isolated(_agreement, V=V, device=device).get("diff", float("nan"))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Estimators of the KL (`estimator=`):
 - "k3": r - 1 - log r with r = pi_T(y_t) / pi_S(y_t) (unbiased, >= 0; Schulman 2020).
 - "topk": exact on the student's top-k tokens plus one bucket holding the remaining mass.
 The entropy is always the full-vocabulary entropy of the student.
+
+Two kernels compute `signals_from_hidden` (`kernel=`): "chunk", the loop below (the CPU's:
+fastest there), and "fold", `gear.credit.fold` (the GPU's: one fused read of each float32 tile,
+a Triton kernel where Triton runs); "auto" picks by device and estimator.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 ESTIMATORS = ("full", "topk", "k1", "k3")
+KERNELS = ("auto", "chunk", "fold")
 DEFAULT_CHUNK = 256
 #: the signals that compare with the teacher (a row without ground truth has no teacher)
 TEACHER_SIGNALS = ("kl", "teacher_logprobs")
@@ -286,6 +291,7 @@ def signals_from_hidden(
     chunk_size: int = DEFAULT_CHUNK,
     mask: Tensor | None = None,
     softcap: float | None = None,
+    kernel: str = "auto",
 ) -> TokenSignals:
     """Signals from final hidden states and the LM head; logits exist one chunk at a time.
 
@@ -301,11 +307,19 @@ def signals_from_hidden(
         temperature, estimator, topk, chunk_size, mask: as in `signals_from_logits`.
         softcap: the model's final-logit softcap c (logits <- c * tanh(logits / c), applied
             before the temperature as Gemma 2/3 do), or None.
+        kernel: "chunk" (the chunk loop: `chunk_size` rows of logits at a time), "fold"
+            (`gear.credit.fold`: large float32 tiles folded online; estimators full, k1, k3), or
+            "auto": "fold" on a CUDA device for those estimators, else "chunk".
     Returns:
         `TokenSignals`, each (N, T) float32.
     """
     _validate(estimator, temperature, chunk_size)
     _validate_softcap(softcap)
+    if use_fold(kernel, estimator, student_hidden.device):
+        return _fold_signals(
+            student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, teacher_lm_head_weight,
+            teacher_lm_head_bias, token_ids, temperature, estimator, mask, softcap,
+        )  # fmt: skip
     if teacher_hidden is None:
         return _student_signals(
             student_hidden, lm_head_weight, lm_head_bias, token_ids, temperature, chunk_size,
@@ -352,6 +366,88 @@ def signals_from_hidden(
         chunk_size,
         owned=True,
         softcap=softcap,
+    )
+
+
+def use_fold(kernel: str, estimator: str, device: torch.device) -> bool:
+    """Whether `signals_from_hidden` runs the fold (`gear.credit.fold`) for this request."""
+    from gear.credit.fold import FOLD_ESTIMATORS
+
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {list(KERNELS)}, got {kernel!r}")
+    if kernel == "fold" and estimator not in FOLD_ESTIMATORS:
+        raise ValueError(
+            f"kernel='fold' computes the estimators {list(FOLD_ESTIMATORS)}, got "
+            f"estimator={estimator!r}; use kernel='chunk' or 'auto'"
+        )
+    if kernel == "auto":
+        return device.type == "cuda" and estimator in FOLD_ESTIMATORS
+    return kernel == "fold"
+
+
+def _fold_signals(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor | None,
+    lm_head_weight: Tensor,
+    lm_head_bias: Tensor | None,
+    teacher_lm_head_weight: Tensor | None,
+    teacher_lm_head_bias: Tensor | None,
+    token_ids: Tensor,
+    temperature: float,
+    estimator: str,
+    mask: Tensor | None,
+    softcap: float | None,
+) -> TokenSignals:
+    """`signals_from_hidden` by `gear.credit.fold.fold_signals`, at the `mask` positions."""
+    from gear.credit.fold import fold_signals
+
+    if student_hidden.dim() != 3:
+        raise ValueError(f"student_hidden: expected (N, T, H), got {tuple(student_hidden.shape)}")
+    N, T, H = student_hidden.shape
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
+        raise ValueError(
+            f"lm_head_weight: expected shape (V, {H}), got {tuple(lm_head_weight.shape)}"
+        )
+    V = lm_head_weight.shape[0]
+    if tuple(token_ids.shape) != (N, T):
+        raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
+    hs, ht = student_hidden.reshape(N * T, H), None
+    if teacher_hidden is not None:
+        if teacher_hidden.dim() != 3 or teacher_hidden.shape[:2] != (N, T):
+            raise ValueError(
+                f"teacher_hidden: expected (N, T, H_t) with the student's (N, T) = {(N, T)}, "
+                f"got {tuple(teacher_hidden.shape)}"
+            )
+        H_t = teacher_hidden.shape[2]
+        if teacher_lm_head_weight is None:
+            teacher_lm_head_weight, teacher_lm_head_bias = lm_head_weight, lm_head_bias
+        if tuple(teacher_lm_head_weight.shape) != (V, H_t):
+            raise ValueError(
+                f"teacher_lm_head_weight: expected shape ({V}, {H_t}) (same vocabulary as the "
+                f"student), got {tuple(teacher_lm_head_weight.shape)}"
+            )
+        ht = teacher_hidden.reshape(N * T, H_t)
+    ids = token_ids.reshape(-1)
+    positions = _positions(mask, (N, T))
+    if positions is not None:
+        hs, ids = hs[positions], ids[positions]
+        ht = None if ht is None else ht[positions]
+    kl, entropy, lp_s, lp_t = fold_signals(
+        hs, ht, lm_head_weight, lm_head_bias, teacher_lm_head_weight, teacher_lm_head_bias, ids,
+        temperature=temperature, estimator=estimator, softcap=softcap,
+    )  # fmt: skip
+
+    def full(v: Tensor | None) -> Tensor | None:
+        if v is None or positions is None:
+            return None if v is None else v.view(N, T)
+        return (
+            torch.zeros(N * T, dtype=v.dtype, device=v.device)
+            .index_copy_(0, positions, v)
+            .view(N, T)
+        )
+
+    return TokenSignals(
+        kl=full(kl), entropy=full(entropy), student_logprobs=full(lp_s), teacher_logprobs=full(lp_t)
     )
 
 
