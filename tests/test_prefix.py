@@ -209,6 +209,7 @@ def test_prefix_sharing_in_the_trainer_gives_the_plain_signals(tmp_path, monkeyp
         data=data,
         teacher=teacher,
         student_hidden_from_generation=False,  # the student forward runs too
+        skip_zero_advantage_rows=False,  # every row's passes, so every prefix
     )
     shared_chunks = []
     real_chunk = prefix._chunk_hidden

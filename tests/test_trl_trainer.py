@@ -137,7 +137,8 @@ def test_token_advantages_reaching_the_loss_equal_gear_credit_of_the_batch(
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 2
     for r in records:
-        assert set(r) == RECORD_KEYS and r["method"] == "gear"
+        assert set(r) - {"skipped"} == RECORD_KEYS and r["method"] == "gear"
+        assert r.get("skipped", False) == (r["advantage"] == 0)
         n = len(r["tokens"])
         assert n > 0 and all(
             len(r[k]) == n for k in ("token_ids", "valid", "kl", "weight", "token_advantage")
@@ -168,7 +169,8 @@ def _oracle_check(trainer, tok, rows, inputs, sequence_advantages, forwards) -> 
             f[j] for f in forwards for j in range(f.size(0)) if f[j, -T:].tolist() == completion
         ]
         hinted = [r for r in teacher_rows if row["ground_truth"] in tok.decode(r)]
-        assert hinted and "reference solution" in tok.decode(hinted[0])
+        if adv[-1] != 0:  # a tied row (advantage 0) gets no teacher pass: the skip
+            assert hinted and "reference solution" in tok.decode(hinted[0])
     signals = signals_from_logits(
         torch.cat(student), torch.cat(teacher), completion_ids, temperature=trainer.temperature
     )
@@ -210,7 +212,10 @@ def test_student_hidden_states_come_from_one_pass(tmp_path, tok, monkeypatch, so
         },
         with_indices=True,
     )
-    trainer = make_trainer(tmp_path, tok, data=data, **SOURCES[source])
+    # every row's passes (no teacher skip: the test follows the states of all rows)
+    trainer = make_trainer(
+        tmp_path, tok, data=data, skip_zero_advantage_rows=False, **SOURCES[source]
+    )
     calls, hidden = [], []
     real, real_signals = trainer._final_hidden, trainer._signals
     monkeypatch.setattr(
@@ -415,7 +420,13 @@ def test_signals_use_the_temperature_generation_sampled_with(
 ):
     """A temperature (or greedy decoding) in generation_kwargs overrides the sampler's: pi_S
     is the distribution the tokens were drawn from (greedy: the model's own, T = 1)."""
-    trainer = make_trainer(tmp_path, tok, temperature=0.7, generation_kwargs=generation_kwargs)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        temperature=0.7,
+        generation_kwargs=generation_kwargs,
+        skip_zero_advantage_rows=False,  # greedy completions tie: every row's signals here
+    )
     assert trainer.generation_config.temperature == generation_kwargs.get("temperature", 0.7)
     seen = []
     real = trl_forwards.signals_from_hidden

@@ -167,6 +167,7 @@ def prefix_shared_hidden(
             group[rows],
             completion_ids[rows.to(input_ids.device)],
             completion_mask[rows.to(input_ids.device)],
+            width=input_ids.size(1) - n_keep,
         )
         if hidden is None:  # no reusable cache: this model takes the plain path
             return plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
@@ -183,14 +184,17 @@ def _chunk_hidden(
     group: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
+    width: int,
 ) -> Tensor | None:
-    """(b, T, H) for one chunk of b rows: its unique prefixes in one left-padded pass with a
-    cache, then the completion tokens 0..T-2 over the gathered cache. None if the model's
-    cache cannot be shared."""
+    """(b, T, H) for one chunk of b rows: its unique prefixes in one pass with a cache, each
+    left-padded to the batch's prefix `width` (so a row's states do not depend on which rows
+    share its chunk: the teacher skip's passes equal the full batch's bit for bit), then the
+    completion tokens 0..T-2 over the gathered cache. None if the model's cache cannot be
+    shared."""
     device = completion_ids.device
     used, local = torch.unique(group, return_inverse=True)  # the chunk's prefixes, row -> local
     chunk = [prefixes[i] for i in used.tolist()]
-    P = max(len(ids) for ids, _ in chunk)
+    P = width
     ids = torch.zeros(len(chunk), P, dtype=torch.long)
     mask = torch.zeros(len(chunk), P, dtype=torch.long)
     for i, (p_ids, p_mask) in enumerate(chunk):

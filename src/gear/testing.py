@@ -17,7 +17,9 @@ Benchmarks and scripts import these instead of putting `tests/` on `sys.path`.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +319,24 @@ def hash_reward(completions: list, **kwargs: Any) -> list[float]:
     """A deterministic reward that differs between completions (so advantages are non-zero)."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [int(hashlib.sha256(t.encode()).hexdigest(), 16) % 5 / 4.0 for t in texts]
+
+
+def tied_reward(share: float) -> Callable[..., list[float]]:
+    """`hash_reward`, except that every completion of a `share` of the prompts (chosen by a hash
+    of the prompt) gets 0.5: those groups tie, so their advantage is 0, as a real task's solved
+    or hopeless prompts do (the teacher skip's case; a random model's task reward is 0
+    everywhere)."""
+
+    def reward(completions: list, prompts: list | None = None, **kwargs: Any) -> list[float]:
+        out = hash_reward(completions)
+        for i, prompt in enumerate(prompts or []):
+            key = json.dumps(prompt, sort_keys=True, default=str).encode()
+            if int(hashlib.sha256(key).hexdigest(), 16) % 1000 < share * 1000:
+                out[i] = 0.5
+        return out
+
+    reward.__name__ = f"tied_reward_{share:g}"
+    return reward
 
 
 def fast_kwargs(output_dir: str | Path, **overrides: Any) -> dict[str, Any]:

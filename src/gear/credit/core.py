@@ -26,6 +26,8 @@ class CreditDetails:
         onsets: bool. segment_ids: long, -1 = no segment.
         fallback_rows: (N,) bool, rows whose signals were not finite (weights forced to 1).
         stats: the spec §5 statistics, `gear/...` -> float.
+        skipped_rows: (N,) bool, rows left unscored (advantage 0, no signals computed; weights
+            1, no onsets or segments).
     """
 
     token_advantages: Tensor
@@ -38,6 +40,7 @@ class CreditDetails:
     segment_ids: Tensor
     fallback_rows: Tensor
     stats: dict[str, float]
+    skipped_rows: Tensor | None = None
 
 
 def _check(name: str, t: Tensor | None, shape: tuple[int, ...], kind: str) -> None:
@@ -143,6 +146,7 @@ def credit_details(
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
     params: CreditParams | None = None,
+    scored: Tensor | None = None,
 ) -> CreditDetails:
     """Per-token advantages of `params.method` plus everything needed to log and render them.
 
@@ -157,10 +161,16 @@ def credit_details(
         influence: (N, T) a token's influence on the final answer (`oar_g`;
             `gear.credit.attribution`).
         params: `CreditParams`; default GEAR with the spec's defaults.
+        scored: (N,) bool, the rows whose signals were computed, or None for all. Unscored rows
+            must have advantage 0 and the method must read only advantaged rows
+            (`CreditParams.signal_rows`): their signals are ignored, their weights are 1 and
+            their token advantages 0, exactly as if they had been scored; the statistics
+            describe the scored rows (`gear/rows_skipped` counts the others).
     Returns:
         `CreditDetails`. Rows whose needed signals are not finite on valid tokens get w = 1.
     """
     params = params or CreditParams()
+    skipped = _skipped_rows(scored, advantages, params)
     signals = {
         "kl": kl,
         "entropy": entropy,
@@ -169,17 +179,24 @@ def credit_details(
         "contrast_kl": contrast_kl,
         "influence": influence,
     }
+    if skipped is not None:  # unscored rows carry no signal: 0, never a fallback
+        skipped = skipped.to(advantages.device)
+        signals = {
+            k: None if v is None else torch.where(skipped.to(v.device)[:, None], 0.0, v)
+            for k, v in signals.items()
+        }
     x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params)
     out = METHODS[params.method].fn(x, params)
 
-    weights = torch.where(fallback[:, None] & x.valid, 1.0, out.weights)
+    unweighted = fallback if skipped is None else fallback | skipped
+    weights = torch.where(unweighted[:, None] & x.valid, 1.0, out.weights)
     token_adv = torch.where(x.valid, x.advantages[:, None] * weights, 0.0)
     zeros = torch.zeros_like(weights)
     none = torch.full_like(x.valid, -1, dtype=torch.long)
     onsets = out.onsets if out.onsets is not None else torch.zeros_like(x.valid)
     segment_ids = out.segment_ids if out.segment_ids is not None else none
-    onsets = onsets & ~fallback[:, None]
-    segment_ids = torch.where(fallback[:, None], -1, segment_ids)
+    onsets = onsets & ~unweighted[:, None]
+    segment_ids = torch.where(unweighted[:, None], -1, segment_ids)
     details = CreditDetails(
         token_advantages=token_adv.to(advantages.dtype),
         weights=weights.to(advantages.dtype),
@@ -191,9 +208,29 @@ def credit_details(
         segment_ids=segment_ids,
         fallback_rows=fallback,
         stats={},
+        skipped_rows=skipped,
     )
     details.stats = credit_stats(details, x)
     return details
+
+
+def _skipped_rows(scored: Tensor | None, advantages: Tensor, params: CreditParams) -> Tensor | None:
+    """(N,) bool rows left unscored, after checking that skipping them is exact; None: none."""
+    if scored is None:
+        return None
+    n = advantages.shape[0] if isinstance(advantages, Tensor) and advantages.dim() == 1 else None
+    _check("scored", scored, (n,) if n is not None else tuple(scored.shape), "bool")
+    skipped = ~scored.to(torch.bool)
+    if not bool(skipped.any()):
+        return skipped
+    if params.signal_rows != "advantaged":
+        raise ValueError(
+            f"scored: credit method {params.method!r} reads every row's signals "
+            f"(rows={params.signal_rows!r}); score all rows"
+        )
+    if bool((advantages.to(skipped.device)[skipped] != 0).any()):
+        raise ValueError("scored: a row with a non-zero advantage was left unscored")
+    return skipped
 
 
 def token_advantages(
@@ -208,6 +245,7 @@ def token_advantages(
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
     params: CreditParams | None = None,
+    scored: Tensor | None = None,
 ) -> Tensor:
     """(N, T) per-token advantages of `params.method`; see `credit_details` for the arguments."""
     return credit_details(
@@ -221,12 +259,16 @@ def token_advantages(
         contrast_kl=contrast_kl,
         influence=influence,
         params=params,
+        scored=scored,
     ).token_advantages
 
 
 def credit_stats(d: CreditDetails, x: CreditInputs) -> dict[str, float]:
-    """The spec §5 statistics of one batch (floats; 0.0 where undefined)."""
-    valid = x.valid
+    """The spec §5 statistics of one batch (floats; 0.0 where undefined), over its scored rows
+    (`CreditDetails.skipped_rows`), plus `gear/rows_skipped`."""
+    skipped = d.skipped_rows
+    valid = x.valid if skipped is None else x.valid & ~skipped[:, None]
+    n_rows = valid.shape[0] - (0 if skipped is None else int(skipped.sum()))
     n_valid = valid.sum(dim=1)
     n_total = max(int(n_valid.sum()), 1)
     in_seg = (d.segment_ids >= 0) & valid
@@ -242,15 +284,17 @@ def credit_stats(d: CreditDetails, x: CreditInputs) -> dict[str, float]:
 
     mass = torch.where(valid, d.token_advantages.double(), 0.0).sum(dim=1)
     expected = n_valid * x.advantages
-    mass_error = ((mass - expected).abs() / n_valid.clamp(min=1)).mean()
+    error = (mass - expected).abs() / n_valid.clamp(min=1)
+    mass_error = error.mean() if skipped is None else error[~skipped].sum() / max(n_rows, 1)
     return {
         "gear/kl_mean": masked_mean(x.kl),
         "gear/entropy_mean": masked_mean(x.entropy),
-        "gear/onsets_per_row": n_onsets / max(valid.shape[0], 1),
+        "gear/onsets_per_row": n_onsets / max(n_rows, 1),
         "gear/frac_tokens_in_segments": int(in_seg.sum()) / n_total,
         "gear/mean_segment_len": int(in_seg.sum()) / n_onsets if n_onsets else 0.0,
         "gear/weight_std_pos": weight_std(x.advantages > 0),
         "gear/weight_std_neg": weight_std(x.advantages < 0),
         "gear/mass_error": float(mass_error),
         "gear/fallback_rows": float(d.fallback_rows.sum()),
+        "gear/rows_skipped": 0.0 if skipped is None else float(skipped.sum()),
     }

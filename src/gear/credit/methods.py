@@ -1,11 +1,14 @@
 """The credit methods of spec §3: one registry, one signature.
 
 Each method is a small function `(CreditInputs, CreditParams) -> MethodOutput` registered under
-its name with the signals it needs. `gear.credit.token_advantages` validates the inputs, calls
+its name with the signals it needs and the rows whose signals it reads (`rows`): "advantaged"
+when a row's weights depend only on its own signals and on those of other rows with a non-zero
+advantage (the trainers then skip the teacher on tied rows, whose token advantages are 0 under
+any weights), "all" when it reads every row (a batch-wide ranking; the safe default). `gear.credit.token_advantages` validates the inputs, calls
 the method, applies the non-finite fallback and returns A_i * w_t on valid tokens.
 A new method is one decorated function::
 
-    @register_method("my_method", requires=("kl",))
+    @register_method("my_method", requires=("kl",), rows="advantaged")
     def my_method(x: CreditInputs, p: CreditParams) -> MethodOutput:
         return MethodOutput(weights=...)
 """
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from gear.credit.params import CreditParams
 
 SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "influence")
+#: which rows' signals a method reads: those with a non-zero advantage, or all of them
+ROWS = ("advantaged", "all")
 
 
 @dataclass
@@ -97,18 +102,24 @@ class Method:
     name: str
     fn: MethodFn
     requires: tuple[str, ...]
+    rows: str = "all"
 
 
 METHODS: dict[str, Method] = {}
 
 
-def register_method(name: str, requires: tuple[str, ...] = ()) -> Callable[[MethodFn], MethodFn]:
-    """Register `fn` as credit method `name`; a second, different function under one name is an error."""
+def register_method(
+    name: str, requires: tuple[str, ...] = (), rows: str = "all"
+) -> Callable[[MethodFn], MethodFn]:
+    """Register `fn` as credit method `name`, reading the signals `requires` of the rows `rows`
+    (`ROWS`); a second, different function under one name is an error."""
     unknown = set(requires) - set(SIGNALS)
     if unknown:
         raise ValueError(
             f"register_method({name!r}): unknown signals {sorted(unknown)}; valid: {SIGNALS}"
         )
+    if rows not in ROWS:
+        raise ValueError(f"register_method({name!r}): rows: expected one of {ROWS}, got {rows!r}")
 
     def decorator(fn: MethodFn) -> MethodFn:
         old = METHODS.get(name)
@@ -120,7 +131,7 @@ def register_method(name: str, requires: tuple[str, ...] = ()) -> Callable[[Meth
             raise ValueError(
                 f"credit method {name!r} is already registered to {old.fn.__qualname__}"
             )
-        METHODS[name] = Method(name, fn, tuple(requires))
+        METHODS[name] = Method(name, fn, tuple(requires), rows)
         return fn
 
     return decorator
@@ -177,13 +188,13 @@ def grouped(x: CreditInputs, p: CreditParams, starts: Tensor) -> MethodOutput:
 # --------------------------------------------------------------------------- methods
 
 
-@register_method("grpo")
+@register_method("grpo", rows="advantaged")
 def grpo(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """A_t = A_i on every valid token (Shao et al., DeepSeekMath, arXiv 2402.03300)."""
     return MethodOutput(weights=torch.ones_like(x.valid, dtype=x.advantages.dtype))
 
 
-@register_method("gear", requires=("kl", "entropy"))
+@register_method("gear", requires=("kl", "entropy"), rows="advantaged")
 def gear(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """GEAR (arXiv 2605.11853), spec §2: KL-spike onsets, segments end at an entropy rise."""
     rises = seg.entropy_rises(x.entropy_norm, x.valid, x.cont_start, p.delta_entropy)
@@ -191,20 +202,20 @@ def gear(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return segmented(x, p, onsets, stops=rises)
 
 
-@register_method("gear_token", requires=("kl",))
+@register_method("gear_token", requires=("kl",), rows="advantaged")
 def gear_token(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Token-level ablation of GEAR: no segments, a_t = d~_t."""
     return MethodOutput(weights=modulate(x.kl_norm, x, p), source=x.kl_norm)
 
 
-@register_method("gear_kl_only", requires=("kl",))
+@register_method("gear_kl_only", requires=("kl",), rows="advantaged")
 def gear_kl_only(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Ablation: a segment ends where d~ falls below tau_onset, not at an entropy rise."""
     onsets = seg.rising_edges(x.kl_norm, x.valid, x.cont_start, p.tau_onset)
     return segmented(x, p, onsets, stops=x.kl_norm < p.tau_onset)
 
 
-@register_method("gear_entropy_only", requires=("kl", "entropy"))
+@register_method("gear_entropy_only", requires=("kl", "entropy"), rows="advantaged")
 def gear_entropy_only(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Ablation: onsets are rising edges of H~ >= tau_entropy; the value is still d~ at the onset.
 
@@ -236,7 +247,7 @@ def departures(x: CreditInputs, p: CreditParams) -> tuple[Tensor, Tensor]:
     return onsets, realigned
 
 
-@register_method("gear_departure", requires=("kl",))
+@register_method("gear_departure", requires=("kl",), rows="advantaged")
 def gear_departure(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """First departure: a departure's segment absorbs later spikes and runs until the student
     realigns, the continuation ends or `max_segment_len`; it takes the departure's d~."""
@@ -244,7 +255,7 @@ def gear_departure(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return segmented(x, p, onsets, stops=realigned)
 
 
-@register_method("gear_departure_point", requires=("kl",))
+@register_method("gear_departure_point", requires=("kl",), rows="advantaged")
 def gear_departure_point(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """The departure carries what it caused: its own run (the departure until d~ first falls
     below `tau_onset`) takes the largest d~ of its span (departure to realignment); the rest
@@ -263,7 +274,7 @@ def gear_departure_point(x: CreditInputs, p: CreditParams) -> MethodOutput:
     )
 
 
-@register_method("gear_departure_blame", requires=("kl",))
+@register_method("gear_departure_blame", requires=("kl",), rows="advantaged")
 def gear_departure_blame(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Sign-aware: a failed row (A < 0) is explained by its first departure
     (`gear_departure_point`); a successful row had no error to place, so its tokens keep their
@@ -279,13 +290,13 @@ def gear_departure_blame(x: CreditInputs, p: CreditParams) -> MethodOutput:
     )
 
 
-@register_method("turn", requires=("kl",))
+@register_method("turn", requires=("kl",), rows="advantaged")
 def turn(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Turn-level baseline: one segment per continuation (assistant turn); value = max d~."""
     return grouped(x, p, starts=x.cont_start)
 
 
-@register_method("fixed", requires=("kl",))
+@register_method("fixed", requires=("kl",), rows="advantaged")
 def fixed(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Fixed-length baseline: each continuation cut into `fixed_len` pieces; value = max d~."""
     pos = torch.arange(x.valid.shape[1], device=x.valid.device).expand_as(x.valid)
@@ -293,7 +304,7 @@ def fixed(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return grouped(x, p, starts=(pos - cont_begin) % p.fixed_len == 0)
 
 
-@register_method("random", requires=("kl", "entropy"))
+@register_method("random", requires=("kl", "entropy"), rows="advantaged")
 def random(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Random-boundary baseline: per row as many segments as `gear` finds, at random valid
     positions (seeded by `seed`); segments end as in `gear`'s stop rule without entropy (next
@@ -312,7 +323,8 @@ def random(x: CreditInputs, p: CreditParams) -> MethodOutput:
 STEP_SEEDED = ("random", "random_shape")
 
 
-# it reads the signals of its `shape_method` (`CreditParams.required_signals`), so none here
+# it reads the signals and rows of its `shape_method` (`CreditParams.required_signals`,
+# `signal_rows`), so none here
 @register_method("random_shape")
 def random_shape(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Shape-matched placebo (ours): the weights of `shape_method` (run with the same params),
@@ -331,7 +343,7 @@ def random_shape(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return MethodOutput(weights=torch.where(x.valid, moved, 1.0))
 
 
-@register_method("rlsd", requires=("student_logprobs", "teacher_logprobs"))
+@register_method("rlsd", requires=("student_logprobs", "teacher_logprobs"), rows="advantaged")
 def rlsd(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """Self-Distilled RLVR (arXiv 2604.03128): delta_t = log pi_T(y_t) - log pi_S(y_t),
     w_t = (1 - lambda) + lambda * clip(exp(sigma * delta_t), 1 - eps, 1 + eps)."""
@@ -356,7 +368,7 @@ def entropy_top(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return MethodOutput(weights=w)
 
 
-@register_method("oar_g", requires=("influence",))
+@register_method("oar_g", requires=("influence",), rows="advantaged")
 def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """OAR-G (Li et al., arXiv 2601.07408), conservative bi-level reshaping of a token's
     influence on the final answer. Tokens before the answer span (the last `oar_answer_len`

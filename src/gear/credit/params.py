@@ -169,6 +169,16 @@ class CreditParams:
         name = self.shape_method if self.method == "random_shape" else self.method
         return METHODS[name].requires
 
+    @property
+    def signal_rows(self) -> str:
+        """Which rows' signals `method` reads (`gear.credit.methods.ROWS`): "advantaged" (rows
+        with a non-zero sequence advantage; tied rows may go unscored) or "all"
+        (`random_shape`: its `shape_method`'s)."""
+        from gear.credit.methods import METHODS
+
+        name = self.shape_method if self.method == "random_shape" else self.method
+        return METHODS[name].rows
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

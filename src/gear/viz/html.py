@@ -144,6 +144,8 @@ def _meta_html(rec: dict[str, Any]) -> str:
         ("onsets · segments", f"{sum(rec['onset'])} · {segs}"),
         ("weight min – max", f"{min(w):.2f} – {max(w):.2f}" if w else "–"),
     ]
+    if rec.get("skipped"):  # no teacher pass: the row's advantage is 0 (`skipped` rows)
+        cards.append(("teacher", "skipped (advantage 0)"))
     return "".join(
         f'<div class="card"><div class="k">{html.escape(k)}</div>'
         f'<div class="v">{html.escape(v)}</div></div>'
@@ -429,6 +431,7 @@ JS = r"""
       ["weight min – max", w.length ? Math.min(...w).toFixed(2) + " – " +
         Math.max(...w).toFixed(2) : "–"],
     ];
+    if (r.skipped) cards.push(["teacher", "skipped (advantage 0)"]);
     const meta = $("meta"); meta.textContent = "";
     for (const [k, v] of cards) {
       const c = document.createElement("div"); c.className = "card";

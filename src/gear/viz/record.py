@@ -90,6 +90,7 @@ def credit_rows(
     cols = {k: None if v is None else v.detach().double().cpu().tolist() for k, v in cols.items()}
     onsets = details.onsets.bool().cpu().tolist()
     seg = details.segment_ids.long().cpu().tolist()
+    skipped = None if details.skipped_rows is None else details.skipped_rows.cpu().tolist()
     ids = token_ids.long().cpu().tolist() if isinstance(token_ids, Tensor) else token_ids
     out = []
     for i in range(valid.shape[0]) if rows is None else rows:
@@ -105,12 +106,16 @@ def credit_rows(
             "token_ids": [int(t) for t in ids[i][:n]] if ids is not None else [None] * n,
             "valid": valid[i, :n].tolist(),
         }  # fmt: skip
+        unscored = bool(skipped and skipped[i])  # no signals were computed for the row
         for key in ("kl", "entropy", "kl_norm", "entropy_norm"):
-            rec[key] = [_float(v) for v in cols[key][i][:n]] if cols[key] else [None] * n
+            scored = cols[key] and not unscored
+            rec[key] = [_float(v) for v in cols[key][i][:n]] if scored else [None] * n
         rec["onset"] = onsets[i][:n]
         rec["segment_id"] = seg[i][:n]
         rec["weight"] = [_float(v) for v in cols["weight"][i][:n]]
         rec["token_advantage"] = [_float(v) for v in cols["token_advantage"][i][:n]]
+        if unscored:
+            rec["skipped"] = True
         out.append(rec)
     return out
 

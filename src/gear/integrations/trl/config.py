@@ -180,6 +180,17 @@ class GEARConfig(GRPOConfig):
         },
     )
     signal_chunk_size: int = setting("signal_chunk_size")
+    skip_zero_advantage_rows: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the teacher, contrast, influence and signal passes only on the rows the "
+            "credit method reads: those with a non-zero sequence advantage (a group whose "
+            "completions all tied has advantage 0, so its token advantages are 0 under any "
+            "weights). Token advantages are bit-identical either way; the credit statistics "
+            "describe the scored rows and `gear/rows_skipped` counts the others. Methods that "
+            "read every row (`entropy_top`) score every row regardless. False: score all rows."
+        },
+    )
 
     # Logging
     credit_log_steps: int = setting("credit_log_steps")

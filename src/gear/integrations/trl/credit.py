@@ -35,6 +35,7 @@ def batch_credit(
     signals: TokenSignals | None,
     params: CreditParams,
     influence: Tensor | None = None,
+    scored: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
@@ -44,6 +45,8 @@ def batch_credit(
         signals: this process's (B, T) signals, or None when the method needs none; a
             `ContrastSignals` also gives the contrast teacher's KL (`params.contrast`).
         influence: (B, T) this process's OAR-G influence (`oar_g`), or None.
+        scored: (B,) bool, this process's rows whose signals were computed (the others have
+            advantage 0: `scored_rows`), or None for all.
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
@@ -56,6 +59,7 @@ def batch_credit(
     B, T = valid.shape
     if world > 1:  # pad every process's (B, T_p) to the longest T, gather the rows
         advantages = accelerator.gather(advantages)
+        scored = None if scored is None else accelerator.gather(scored.long()).bool()
         inputs = {
             k: None
             if v is None
@@ -64,18 +68,33 @@ def batch_credit(
         }
         for k in ("valid", "turn_starts"):
             inputs[k] = None if inputs[k] is None else inputs[k].bool()
-    details = credit_details(advantages, inputs.pop("valid"), **inputs, params=params)
+    details = credit_details(
+        advantages, inputs.pop("valid"), **inputs, params=params, scored=scored
+    )
     if world == 1:
         return details
     rows = slice(accelerator.process_index * B, (accelerator.process_index + 1) * B)
     local = {
-        f.name: getattr(details, f.name)[rows]
-        if f.name == "fallback_rows"
+        f.name: None
+        if getattr(details, f.name) is None
+        else getattr(details, f.name)[rows]
+        if f.name in ("fallback_rows", "skipped_rows")
         else getattr(details, f.name)[rows, :T]
         for f in dataclasses.fields(details)
         if f.name != "stats"
     }
     return CreditDetails(**local, stats=details.stats)
+
+
+def scored_rows(advantages: Tensor, params: CreditParams, skip: bool) -> Tensor | None:
+    """(B,) bool: the rows whose signals the credit method reads, so the teacher, contrast,
+    influence and signal passes need to run on them only: those with a non-zero sequence
+    advantage when the method reads advantaged rows only (`CreditParams.signal_rows`); the
+    others' token advantages are 0 under any weights. None: every row (`skip` off, or a method
+    that reads all rows)."""
+    if not skip or params.signal_rows != "advantaged":
+        return None
+    return advantages != 0
 
 
 def without_unhinted_rows(signals: TokenSignals, has_hint: Tensor) -> TokenSignals:

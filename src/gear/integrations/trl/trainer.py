@@ -30,7 +30,12 @@ from gear.credit import CreditDetails, CreditParams, TokenSignals
 from gear.credit.methods import STEP_SEEDED
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
-from gear.integrations.trl.credit import ContrastSignals, batch_credit, without_unhinted_rows
+from gear.integrations.trl.credit import (
+    ContrastSignals,
+    batch_credit,
+    scored_rows,
+    without_unhinted_rows,
+)
 from gear.integrations.trl.forwards import Forwards, answer_influence, eval_mode
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
@@ -338,16 +343,25 @@ class GEARTrainer(GRPOTrainer):
                 ) = teacher
                 log_stats(self.accelerator, self._metrics[mode], stats)
                 return output
+        # the rows the credit method reads: tied rows (advantage 0) get no teacher, contrast,
+        # influence or signal pass (`skip_zero_advantage_rows`)
+        scored = scored_rows(
+            output["advantages"], self.credit_params, self.args.skip_zero_advantage_rows
+        )
         if self._needs_signals:
-            signals = self._token_signals(output, teacher, valid, mode, stats, contrast)
+            signals = self._token_signals(output, teacher, valid, mode, stats, contrast, scored)
             credit_signals = (
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
-        influence = self._influence(output, valid, mode, stats) if self._needs_influence else None
+        influence = (
+            self._influence(output, valid, mode, stats, scored) if self._needs_influence else None
+        )
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
-        details = self._credit(sequence_advantages, valid, turn_starts, credit_signals, influence)
+        details = self._credit(
+            sequence_advantages, valid, turn_starts, credit_signals, influence, scored
+        )
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
         log_stats(self.accelerator, self._metrics[mode], stats)
@@ -399,18 +413,48 @@ class GEARTrainer(GRPOTrainer):
         mode: str,
         stats: dict[str, float],
         contrast: tuple[Tensor, Tensor] | None = None,
+        scored: Tensor | None = None,
     ) -> TokenSignals:
         """One student pass (or the states of generation or of TRL's pass, captured) and, given
         `teacher` = (ids, mask, has_hint), one teacher pass (eval mode, like the student's);
         then the chunked signals at the (B, T) `valid` policy tokens. Given `contrast` = (ids,
         mask) of the contrast teacher (a wrong answer), one more teacher pass and its (B, T) KL
         by the same kernel, returned as `ContrastSignals.contrast_kl` (`gear/time_contrast`:
-        that pass and its signals)."""
+        that pass and its signals). Given `scored` (B,) bool, every pass runs on those rows
+        only; the other rows' signals are 0."""
+        student_hidden = self._student.take(output)
+        if scored is not None:
+            rows = scored.nonzero().squeeze(1)
+            if rows.numel() == 0:  # every row tied: nothing to score
+                return _unscored_signals(valid, with_teacher=teacher is not None, contrast=contrast)
+            signals = self._scored_signals(
+                _rows_of(output, rows),
+                None if teacher is None else tuple(x[rows] for x in teacher),
+                valid[rows],
+                mode,
+                stats,
+                None if contrast is None else tuple(x[rows] for x in contrast),
+                None if student_hidden is None else student_hidden[rows],
+            )
+            return _signals_in_rows(signals, rows, valid.shape[0])
+        return self._scored_signals(output, teacher, valid, mode, stats, contrast, student_hidden)
+
+    @torch.no_grad()
+    def _scored_signals(
+        self,
+        output: dict[str, Any],
+        teacher: tuple[Tensor, ...] | None,
+        valid: Tensor,
+        mode: str,
+        stats: dict[str, float],
+        contrast: tuple[Tensor, ...] | None,
+        student_hidden: Tensor | None,
+    ) -> TokenSignals:
+        """`_token_signals` of every row of `output`, the student's states given (or None)."""
         completion_ids = output["completion_ids"]
         n_keep = completion_ids.size(1)
         batch_size = self._micro_batch(mode)
         t0 = time.perf_counter()
-        student_hidden = self._student.take(output)
         forward = student_hidden is None
         if forward:
             with eval_mode(self.accelerator.unwrap_model(self.model)):
@@ -438,11 +482,26 @@ class GEARTrainer(GRPOTrainer):
         return signals
 
     def _influence(
-        self, output: dict[str, Any], valid: Tensor, mode: str, stats: dict[str, float]
+        self,
+        output: dict[str, Any],
+        valid: Tensor,
+        mode: str,
+        stats: dict[str, float],
+        scored: Tensor | None = None,
     ) -> Tensor:
         """(B, T) OAR-G influence of each completion token on the log-probability of the row's
         last `credit_oar_answer_len` policy tokens (`forwards.answer_influence`, eval mode);
-        its seconds go to `gear/time_influence`."""
+        its seconds go to `gear/time_influence`. Given `scored` (B,) bool, only those rows are
+        scored; the others' influence is 0."""
+        if scored is not None:
+            rows = scored.nonzero().squeeze(1)
+            influence = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+            if rows.numel() > 0:
+                part = self._influence(_rows_of(output, rows), valid[rows], mode, stats)
+                influence[rows] = part.to(influence.dtype)
+            else:
+                stats["gear/time_influence"] = 0.0
+            return influence
         t0 = time.perf_counter()
         batch_size = self._micro_batch(mode)
         with eval_mode(self.accelerator.unwrap_model(self.model)):
@@ -508,6 +567,7 @@ class GEARTrainer(GRPOTrainer):
         turn_starts: Tensor | None,
         signals: TokenSignals | None,
         influence: Tensor | None = None,
+        scored: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
         return batch_credit(
@@ -518,6 +578,7 @@ class GEARTrainer(GRPOTrainer):
             signals,
             self._batch_credit_params(),
             influence,
+            scored,
         )
 
     def _micro_batch(self, mode: str) -> int:
@@ -618,6 +679,42 @@ class GEARTrainer(GRPOTrainer):
 
 
 # ----------------------------------------------------------------------------------- helpers
+
+
+def _rows_of(output: dict[str, Any], rows: Tensor) -> dict[str, Any]:
+    """The batch `output` restricted to `rows`: every (B, ...) tensor indexed, the rest kept."""
+    B = output["completion_ids"].size(0)
+    return {
+        k: v[rows] if isinstance(v, Tensor) and v.dim() > 0 and v.size(0) == B else v
+        for k, v in output.items()
+    }
+
+
+def _signals_in_rows(signals: TokenSignals, rows: Tensor, n: int) -> TokenSignals:
+    """(len(rows), T) signals placed at `rows` of (n, T) ones, 0 in the other rows."""
+
+    def place(v: Tensor | None) -> Tensor | None:
+        if v is None:
+            return None
+        return v.new_zeros(n, *v.shape[1:]).index_copy_(0, rows, v)
+
+    return dataclasses.replace(
+        signals, **{f.name: place(getattr(signals, f.name)) for f in dataclasses.fields(signals)}
+    )
+
+
+def _unscored_signals(
+    valid: Tensor, with_teacher: bool, contrast: tuple[Tensor, ...] | None
+) -> TokenSignals:
+    """The signals of a batch none of whose rows is scored: 0 everywhere."""
+    zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    teacher = zeros if with_teacher else None
+    signals = TokenSignals(
+        kl=teacher, entropy=zeros, student_logprobs=zeros, teacher_logprobs=teacher
+    )
+    if contrast is not None:
+        return ContrastSignals(**vars(signals), contrast_kl=zeros)
+    return signals
 
 
 def _response_mask(output: dict[str, Any]) -> tuple[Tensor, Tensor | None]:

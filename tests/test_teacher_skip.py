@@ -1,0 +1,187 @@
+"""The teacher skip: rows with a zero sequence advantage get no teacher, contrast, influence or
+signal pass, and the token advantages are bit-identical with the skip on and off (every
+registered method, loss types, micro-batch sizes, multi-turn masks in the credit core).
+
+Bit-identical needs forwards whose per-row numerics do not depend on the other rows of the
+pass: the plain forward's (`prefix_sharing=False`). With prefix sharing the cached completion
+pass's attention kernel varies with the number of rows in float rounding (~5e-7 here, as when
+the micro-batch size changes), so there the test asks for agreement to that rounding."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _trl_helpers import byte_tokenizer, dataset, make_trainer
+from gear.credit import METHODS, CreditParams, credit_details
+from gear.testing import tied_reward
+
+SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "contrast_kl", "influence")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def _batch(trainer, n_prompts: int = 4) -> list[dict]:
+    data = dataset(n_prompts)
+    return [dict(row) for row in data for _ in range(trainer.args.num_generations)]
+
+
+def _advantages(trainer, inputs, skip: bool) -> tuple[torch.Tensor, dict]:
+    trainer.args.skip_zero_advantage_rows = skip
+    trainer.model.train()
+    trainer._metrics["train"].clear()
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions(inputs)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
+    return out["advantages"], metrics
+
+
+def _skip_is_exact(trainer, inputs) -> dict:
+    on, metrics = _advantages(trainer, inputs, skip=True)
+    off, metrics_off = _advantages(trainer, inputs, skip=False)
+    assert on.shape == off.shape and on.dim() == 2
+    assert torch.equal(on, off)  # bit-identical
+    assert metrics_off["gear/rows_skipped"] == 0.0
+    return metrics
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - {"grpo"}))
+def test_token_advantages_are_bit_identical_with_the_skip_on_and_off(tmp_path, tok, method):
+    trainer = make_trainer(
+        tmp_path, tok, credit_method=method, reward_funcs=tied_reward(0.5),
+        per_device_train_batch_size=8, num_generations=2, prefix_sharing=False,
+    )  # fmt: skip
+    inputs = _batch(trainer)
+    metrics = _skip_is_exact(trainer, inputs)
+    tied = int(metrics["gear/rows_skipped"])
+    if CreditParams(method=method).signal_rows == "advantaged":
+        assert tied >= 2  # tied_reward(0.5) ties some of the 4 groups (2 rows each)
+    else:  # entropy_top ranks every row of the batch: nothing skipped
+        assert tied == 0
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "micro_batch", "extra"),
+    [
+        ("grpo", 2, {}),
+        ("dapo", 4, {"teacher_context": "contrast"}),
+        ("dr_grpo", 8, {"credit_method": "rlsd"}),
+        ("bnpo", 2, {"credit_success_floor": 0.5}),
+    ],
+)
+def test_skip_is_exact_across_loss_types_micro_batches_and_contexts(
+    tmp_path, tok, loss_type, micro_batch, extra
+):
+    trainer = make_trainer(
+        tmp_path, tok, reward_funcs=tied_reward(0.5), loss_type=loss_type,
+        per_device_train_batch_size=micro_batch, steps_per_generation=8 // micro_batch,
+        num_generations=2, prefix_sharing=False, **extra,
+    )  # fmt: skip
+    _skip_is_exact(trainer, _batch(trainer))
+
+
+def test_with_prefix_sharing_the_skip_agrees_to_float_rounding(tmp_path, tok):
+    """gear_token's weights are continuous in the KL, so rounding stays rounding."""
+    trainer = make_trainer(
+        tmp_path, tok, credit_method="gear_token", reward_funcs=tied_reward(0.5),
+        per_device_train_batch_size=8, num_generations=2,
+    )  # fmt: skip
+    inputs = _batch(trainer)
+    on, metrics = _advantages(trainer, inputs, skip=True)
+    off, _ = _advantages(trainer, inputs, skip=False)
+    assert metrics["gear/rows_skipped"] > 0
+    torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
+
+
+def test_tied_rows_get_no_teacher_pass_and_are_marked_in_the_record(tmp_path, tok):
+    trainer = make_trainer(
+        tmp_path, tok, reward_funcs=tied_reward(1.0), per_device_train_batch_size=8,
+        num_generations=2, credit_log_rows=8,
+    )  # fmt: skip
+    calls = []
+    real = trainer._teacher_pass
+    trainer._teacher_pass = lambda ids, *a, **k: calls.append(ids.shape[0]) or real(ids, *a, **k)
+    _, metrics = _advantages(trainer, _batch(trainer), skip=True)
+    assert calls == []  # every group tied: no teacher pass at all
+    assert metrics["gear/rows_skipped"] == 8.0
+    records = [
+        json.loads(line) for line in Path(tmp_path, "credit").glob("*.jsonl").__next__().open()
+    ]
+    assert records and all(r["skipped"] and r["kl"][0] is None for r in records)
+    assert all(w == 1.0 for r in records for w, v in zip(r["weight"], r["valid"], strict=True) if v)
+
+
+def test_teacher_pass_runs_on_the_advantaged_rows_only(tmp_path, tok):
+    trainer = make_trainer(
+        tmp_path, tok, reward_funcs=tied_reward(0.5), per_device_train_batch_size=8,
+        num_generations=2,
+    )  # fmt: skip
+    calls = []
+    real = trainer._teacher_pass
+    trainer._teacher_pass = lambda ids, *a, **k: calls.append(ids.shape[0]) or real(ids, *a, **k)
+    _, metrics = _advantages(trainer, _batch(trainer), skip=True)
+    assert calls == [8 - int(metrics["gear/rows_skipped"])]
+    assert 0 < metrics["gear/rows_skipped"] < 8
+
+
+# --------------------------------------------------------------------------- the credit core
+
+
+@st.composite
+def _credit_batch(draw):
+    n, t = draw(st.integers(2, 6)), draw(st.integers(1, 9))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, t + 1, (n,), generator=g)
+    valid = torch.arange(t)[None] < lengths[:, None]
+    turn_starts = valid & (torch.rand(n, t, generator=g) < 0.2) if draw(st.booleans()) else None
+    advantages = torch.randn(n, generator=g, dtype=torch.float64)
+    advantages[torch.rand(n, generator=g) < 0.4] = 0.0
+    signals = {k: torch.rand(n, t, generator=g, dtype=torch.float64) * 3 for k in SIGNAL_NAMES}
+    signals["student_logprobs"] = -signals["student_logprobs"]
+    signals["teacher_logprobs"] = -signals["teacher_logprobs"]
+    return advantages, valid, turn_starts, signals, g
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=_credit_batch(), method=st.sampled_from(sorted(METHODS)), floor=st.sampled_from([0, 0.5])
+)
+def test_core_skip_is_exact_with_masks_and_turns(batch, method, floor):
+    """Unscored rows' signals may hold anything (here: garbage, NaN): with advantage 0 the
+    token advantages equal those computed with every row's true signals."""
+    advantages, valid, turn_starts, signals, _ = batch
+    params = CreditParams(method=method, success_floor=floor)
+    if params.signal_rows != "advantaged":
+        return
+    full = credit_details(advantages, valid, turn_starts=turn_starts, params=params, **signals)
+    scored = advantages != 0
+    garbage = {k: torch.where(scored[:, None], v, torch.nan) for k, v in signals.items()}
+    part = credit_details(
+        advantages, valid, turn_starts=turn_starts, params=params, scored=scored, **garbage
+    )
+    assert torch.equal(full.token_advantages, part.token_advantages)
+    assert part.stats["gear/rows_skipped"] == float((~scored).sum())
+    assert part.stats["gear/fallback_rows"] == 0.0
+    assert all(math.isfinite(v) for v in part.stats.values())
+
+
+def test_core_refuses_an_unscored_row_that_carries_advantage():
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    kl = torch.rand(2, 3)
+    with pytest.raises(ValueError, match="non-zero advantage was left unscored"):
+        credit_details(torch.tensor([1.0, 0.0]), valid, kl=kl, entropy=kl,
+                       scored=torch.tensor([False, True]))  # fmt: skip
+    with pytest.raises(ValueError, match="reads every row"):
+        credit_details(torch.tensor([1.0, 0.0]), valid, entropy=kl,
+                       params=CreditParams(method="entropy_top"),
+                       scored=torch.tensor([True, False]))  # fmt: skip
