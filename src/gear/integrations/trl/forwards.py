@@ -28,6 +28,7 @@ from gear.credit.attribution import (
 )
 from gear.credit.signals import signals_from_hidden, signals_from_teacher_logprobs
 from gear.modeling import LogitConventions
+from gear.modeling.lora import merged_lora
 from gear.modeling.model import capture_final_hidden, lm_head, only_capture, takes_position_ids
 from gear.modeling.model import unwrap as unwrap_model
 from gear.modeling.positions import padding_free_positions
@@ -52,6 +53,7 @@ class Forwards:
     chunk_size: int
     prefix_sharing: bool
     gradient_checkpointing_kwargs: dict | None = None
+    merge_lora: bool = True
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """`temperature` and `softcap` for `gear.credit.signals` (the logit scale folded in)."""
@@ -78,6 +80,7 @@ class Forwards:
             grad=grad,
             gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
             share_prefix=self.prefix_sharing and not grad,
+            merge_lora=self.merge_lora and not grad,
         )
 
     @contextmanager
@@ -234,13 +237,16 @@ def final_hidden(
     grad: bool = False,
     gradient_checkpointing_kwargs: dict | None = None,
     share_prefix: bool = False,
+    merge_lora: bool = False,
 ) -> Tensor:
     """(B, n_keep, H) final hidden states at the positions predicting the last n_keep tokens.
 
     Runs the root module (so DDP / DeepSpeed / PEFT hooks fire) with `logits_to_keep=1` and
     reads the backbone's output (`gear.prefix.plain_hidden`); rows go in chunks of
     `batch_size`, like TRL's passes. With `share_prefix` (no-grad only), rows sharing their
-    first L - n_keep tokens compute them once (`gear.prefix.prefix_shared_hidden`).
+    first L - n_keep tokens compute them once (`gear.prefix.prefix_shared_hidden`). With
+    `merge_lora` (no-grad only), a PEFT LoRA model's layers run with merged weights
+    (`gear.modeling.lora.merged_lora`: a plain forward's cost, the weights untouched).
     """
     unwrapped = accelerator.unwrap_model(model)
     no_checkpointing = (
@@ -248,14 +254,16 @@ def final_hidden(
         if not grad and checkpointing(unwrapped)
         else nullcontext()
     )
-    with no_checkpointing, accelerator.autocast():
-        if share_prefix and not grad:
-            with torch.no_grad():
+    if not grad:
+        merged = merged_lora(unwrapped) if merge_lora else nullcontext()
+        with no_checkpointing, accelerator.autocast(), torch.no_grad(), merged:
+            if share_prefix:
                 return prefix_shared_hidden(
                     model, input_ids, attention_mask, n_keep, batch_size=batch_size
                 )
-        hidden = plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
-    return hidden if grad else hidden.detach()
+            return plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
+    with no_checkpointing, accelerator.autocast():
+        return plain_hidden(model, input_ids, attention_mask, n_keep, batch_size=batch_size)
 
 
 def checkpointing(model: nn.Module) -> bool:

@@ -232,6 +232,7 @@ class GEARTrainer(GRPOTrainer):
             chunk_size=args.signal_chunk_size,
             prefix_sharing=args.prefix_sharing,
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            merge_lora=args.merge_lora_passes,
         )
         self._student = StudentStates(self)
         self.teacher_model = build_teacher(self, teacher_model, teacher_processing_class)
