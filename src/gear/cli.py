@@ -22,7 +22,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 # Optional packages that transformers, accelerate, TRL and PEFT import merely because they are
 # installed, for features `gear train` and `gear compare` do not have: bitsandbytes (PEFT and
@@ -59,6 +61,7 @@ def hide_unused_packages(argv: list[str]) -> list[str]:
     raises ImportError) when the command is a training one; returns the names hidden. Only for
     the `gear` program itself, before anything imports transformers: a package already imported
     is left alone."""
+    argv = [arg for arg in argv if arg != "--debug"]  # the one option before the command
     if not argv or argv[0] not in TRAINING_COMMANDS:
         return []
     hidden = []
@@ -85,7 +88,21 @@ class _Gear(typer.Typer):
         return super().__call__(*args, **kwargs)
 
 
+class _Commands(TyperGroup):
+    """gear's commands: a damaged or malformed file (`gear.inputs.InputError`) met anywhere in
+    one of them ends it with its one-line message, like any other bad input (`_fail`)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        from gear.inputs import InputError
+
+        try:
+            return super().invoke(ctx)
+        except InputError as e:
+            _fail(str(e))
+
+
 app = _Gear(
+    cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     help=__doc__,
@@ -95,9 +112,26 @@ app = _Gear(
 console = Console()
 
 
+DEBUG = {"on": False}  # `gear --debug`: errors come with their traceback (also GEAR_DEBUG=1)
+
+
+def _debugging() -> bool:
+    return DEBUG["on"] or os.environ.get("GEAR_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
 @app.callback()
-def _quiet() -> None:
+def _quiet(
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="On an error, print the traceback before the one-line message (or set "
+            "GEAR_DEBUG=1).",
+        ),
+    ] = False,
+) -> None:
     """Keep the console for gear's own progress: no library progress bars or deprecation noise."""
+    DEBUG["on"] = debug
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -117,7 +151,13 @@ SetOpt = Annotated[
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/] {message}")
+    """End the command with exit status 2 and `message` on one line (the traceback of the error
+    being handled before it, under `--debug` / GEAR_DEBUG=1)."""
+    if _debugging() and sys.exc_info()[1] is not None:
+        import traceback
+
+        traceback.print_exc()
+    console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -259,8 +299,11 @@ def eval_(
         Path | None, typer.Option(help="Output directory (default: the run directory or .)")
     ] = None,
 ) -> None:
-    """pass@1 / pass@k of a model or a run's final model on a task split (JSON + Markdown)."""
-    import yaml
+    """pass@1 / pass@k of a model or a run's final model on a task split (JSON + Markdown).
+
+    A run that has no final model (it stopped before it finished) is evaluated at its newest
+    complete checkpoint, and the output says which.
+    """
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -270,21 +313,20 @@ def eval_(
     )
 
     from gear.evaluate import evaluate
+    from gear.inputs import evaluation_target
     from gear.models import load_model_and_tokenizer
     from gear.tasks import get_task
 
     path = Path(target)
-    run_cfg = (
-        yaml.safe_load((path / "config.yaml").read_text())
-        if (path / "config.yaml").is_file()
-        else {}
-    )
-    model_path = str(path / "final") if (path / "final").is_dir() else target
+    model_path, run_cfg, note = evaluation_target(target)  # checked before any model is loaded
     options = dict(run_cfg.get("task_options") or {}) if task in (None, run_cfg.get("task")) else {}
     options.update(_overrides(task_option))
     task_name = task or run_cfg.get("task") or "arithmetic"
     try:
         t = get_task(task_name, **options)
+        t.dataset(split, n=n, seed=seed)  # a missing or damaged data file: said before loading
+        if note:
+            console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
         model, tokenizer = load_model_and_tokenizer(model_path)
     except (ValueError, OSError, RuntimeError) as e:
         _fail(str(e))
@@ -310,7 +352,7 @@ def eval_(
                 seed=seed,
                 progress=lambda d, tot: bar.update(job, completed=d, total=tot),
             )
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             _fail(str(e))
     out_dir = out or (path if path.is_dir() else Path("."))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -344,13 +386,37 @@ def inspect(
         Path | None, typer.Option(help="HTML file (default RUN_DIR/credit.html).")
     ] = None,
 ) -> None:
-    """Render the run's credit records: an HTML token viewer and the Figure-2 trajectory PNG."""
+    """Render the run's credit records: an HTML token viewer and the Figure-2 trajectory PNG.
+
+    A run that has no final model (it stopped before it finished) shows the records it wrote,
+    and the output says so and names its newest complete checkpoint.
+    """
+    from gear.inputs import (
+        checkpoints,
+        is_run_dir,
+        newest_complete,
+        run_config_file,
+        unfinished_note,
+    )
     from gear.viz.html import write_credit_html
     from gear.viz.plots import plot_trajectory
     from gear.viz.record import read_credit_records
 
     if not (run_dir / "credit").is_dir():
-        _fail(f"{run_dir}: no credit/ directory (is it a gear run directory with credit records?)")
+        if not is_run_dir(run_dir):
+            _fail(
+                f"{run_dir}: not a gear run directory (no config.yaml, no credit/ directory); "
+                "give `gear inspect` the directory a `gear train` run wrote"
+            )
+        _fail(
+            f"{run_dir}: no credit/ directory: the run has written no credit records yet (one "
+            "every credit_log_steps steps)"
+        )
+    if is_run_dir(run_dir) and not (run_dir / "final").is_dir():
+        config = run_config_file(run_dir, "fix or restore it")
+        newest, damaged = newest_complete(checkpoints(run_dir))
+        note = unfinished_note(run_dir, newest, damaged, config) + "; showing the records it wrote"
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     records = read_credit_records(run_dir)
     if not records:
         _fail(f"{run_dir / 'credit'}: no credit records yet")
@@ -440,9 +506,7 @@ def compare(
     for method in methods:
         for seed in seeds:
             run_dir = out / f"{method}-seed{seed}"
-            if (run_dir / "summary.json").is_file() and "eval_after" in json.loads(
-                (run_dir / "summary.json").read_text()
-            ):
+            if (run_dir / "summary.json").is_file() and "eval_after" in _summary(run_dir):
                 console.print(f"[dim]{run_dir.name}: done, skipped[/]")
                 continue
             console.rule(f"{method} seed {seed}")
@@ -467,13 +531,24 @@ def compare(
     write_comparison(out, methods, seeds)
 
 
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """A study run's summary.json; an `InputError` naming it when it is damaged."""
+    from gear.inputs import InputError, read_json
+
+    todo = f"move {run_dir} aside and `gear compare` trains that run again, or restore the file"
+    summary = read_json(run_dir / "summary.json", todo)
+    if not isinstance(summary, dict):
+        raise InputError(run_dir / "summary.json", "not a JSON object", todo)
+    return summary
+
+
 def _share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
     """Runs of one seed start from the same model and data: reuse a sibling's before-training
     evaluation instead of repeating it (written into the new run's summary.json)."""
     if (run_dir / "summary.json").is_file():
         return
     for sibling in sorted(out.glob(f"*-seed{seed}/summary.json")):
-        before = json.loads(sibling.read_text()).get("eval_before")
+        before = _summary(sibling.parent).get("eval_before")
         if before:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "summary.json").write_text(json.dumps({"eval_before": before}, indent=2))
@@ -493,7 +568,7 @@ def write_comparison(out: Path, methods: list[str], seeds: list[int]) -> dict[st
             summary_file = run_dir / "summary.json"
             if not summary_file.is_file():
                 continue
-            s = json.loads(summary_file.read_text())
+            s = _summary(run_dir)
             if s.get("eval_after"):
                 finals.append(s["eval_after"]["pass@1"])
             if s.get("eval_before"):

@@ -26,10 +26,11 @@ three, so a run there trains exactly as `gear train` would with that config.
 Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during training finish
 the current step (or end a periodic evaluation), save a checkpoint and end the run with
 `RunStopped`; a second signal stops at once. `gear train --resume RUN_DIR` continues from the
-last complete checkpoint with exactly the saved config.yaml (`resume_config`: only the
-`RESUME_MAY_CHANGE` keys may differ, any other option is an error), forgets what was logged
-after that checkpoint, and trains no step past `max_steps` (a run stopped in its final
-evaluation only evaluates and saves).
+last complete checkpoint (a damaged newest one is refused, naming the damaged file and the
+previous complete checkpoint: `gear.inputs.resume_checkpoint`) with exactly the saved
+config.yaml (`resume_config`: only the `RESUME_MAY_CHANGE` keys may differ, any other option
+is an error), forgets what was logged after that checkpoint, and trains no step past
+`max_steps` (a run stopped in its final evaluation only evaluates and saves).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from typing import Any
 import yaml
 
 from gear.constraints import Check, field_checks
+from gear.inputs import InputError, read_json, read_yaml, resume_checkpoint, run_config_file
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: ships in the wheel
 PRECISION_KEY = "precision"  # config.yaml's record of the precision chosen (not a config key)
@@ -303,12 +305,11 @@ def check_key(key: str, value: Any) -> tuple[str, Any]:
 
 
 def load_mapping(path: Path) -> dict[str, Any]:
-    """A YAML config file's mapping of keys to values."""
-    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    """A YAML config file's mapping of keys to values (an `InputError` naming the file, and the
+    line of a syntax error, when it is not one)."""
+    loaded = read_yaml(path) or {}
     if not isinstance(loaded, dict):
-        raise ValueError(
-            f"{path}: expected a mapping of keys to values, got {type(loaded).__name__}"
-        )
+        raise InputError(path, f"expected a mapping of keys to values, got {type(loaded).__name__}")
     return loaded
 
 
@@ -359,15 +360,30 @@ def resolve_values(values: dict[str, Any], overrides: dict[str, Any] | None = No
     return RunConfig(**run, trainer=trainer)
 
 
+RESTORE_CONFIG = "restore it from a copy of the run, or start a new run in another directory"
+
+
 def read_run_config(run_dir: Path) -> dict[str, Any]:
     """The config mapping saved in RUN_DIR/config.yaml, as the run was asked to run: RunConfig
     keys and `trainer`, without the `precision:` record. `bf16` is the setting asked for
     ("auto" where an earlier gear stored the resolved bool), so it is resolved again for the
     machine that resumes the run."""
-    saved = Path(run_dir) / "config.yaml"
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
     if not saved.is_file():
-        raise ValueError(f"--resume {run_dir}: no config.yaml there (not a gear run directory)")
-    values = load_mapping(saved)
+        if any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json", "credit")):
+            raise InputError(
+                saved,
+                "missing, so the run's configuration is unknown",
+                "restore it from a copy of the run (without it the run cannot be resumed, only "
+                "started again in another directory)",
+            )
+        raise InputError(
+            saved,
+            f"missing: {run_dir} is not a gear run directory",
+            "give --resume the directory a `gear train` run wrote",
+        )
+    values = run_config_file(run_dir, RESTORE_CONFIG)
     precision = values.pop(PRECISION_KEY, None) or {}
     trainer = dict(values.get("trainer") or {})
     if isinstance(trainer.get("bf16"), bool) and precision.get("asked") == "auto":
@@ -418,7 +434,13 @@ def resume_config(
     if not run_dir.is_dir():
         raise ValueError(f"--resume: run directory {run_dir} does not exist")
     saved = read_run_config(run_dir)
-    cfg = resolve_values(saved)
+    try:
+        cfg = resolve_values(saved)
+    except InputError:
+        raise
+    except ValueError as e:  # a value the file should not hold: name the file
+        raise InputError(run_dir / "config.yaml", str(e), RESTORE_CONFIG) from None
+    resume_checkpoint(run_dir)  # a damaged newest checkpoint is refused here, before any work
     changes: dict[str, Any] = {}
     refused: list[str] = []
     for key, value in (overrides or {}).items():
@@ -640,24 +662,60 @@ def _eval_cache_file(cfg: RunConfig) -> Path | None:
     return None if key is None else cache_root() / "evals" / f"{key}.json"
 
 
+def _cached_scores(path: Path, cfg: RunConfig) -> dict[str, Any]:
+    """The scores in an evaluation cache entry; an `InputError` when it is not what
+    `store_eval_before` writes for `cfg` (JSON of pass@1 in [0, 1], n_problems and, with
+    `eval_samples`, mean_reward; per-problem scores, one per problem)."""
+    scores = read_json(path)
+    if not isinstance(scores, dict):
+        raise InputError(path, "not a JSON object")
+    n = scores.get("n_problems")
+    if not (isinstance(n, int) and 0 < n <= cfg.eval_n):
+        raise InputError(path, f"n_problems is {n!r}, expected 1..{cfg.eval_n}")
+    wanted = ["pass@1"] + (["mean_reward"] if cfg.eval_samples else [])
+    for key in wanted:
+        value = scores.get(key)
+        if not (isinstance(value, int | float) and 0 <= value <= 1):
+            raise InputError(path, f"{key} is {value!r}, expected a score in [0, 1]")
+    per_problem = scores.get("per_problem")
+    if not isinstance(per_problem, dict) or any(
+        not isinstance(per_problem.get(k), list) or len(per_problem[k]) != n
+        for k in ["greedy"] + (["mean_reward"] if cfg.eval_samples else [])
+    ):
+        raise InputError(path, f"per_problem does not hold {n} scores per metric")
+    return scores
+
+
 def cached_eval_before(cfg: RunConfig, console: Any = None) -> dict[str, Any] | None:
     """The embedded model's held-out scores for `cfg`'s evaluation, when this machine computed
-    them before (`eval_cache_key`); marked `"cached": true`."""
+    them before (`eval_cache_key`); marked `"cached": true`. A damaged entry is never trusted:
+    None (the scores are computed again and `store_eval_before` replaces it), with a note."""
     path = _eval_cache_file(cfg)
     if path is None or not path.is_file():
+        return None
+    try:
+        scores = _cached_scores(path, cfg)
+    except InputError as e:
+        _say(console, f"note: {e}; not used: the scores are computed again and replace it")
         return None
     _say(
         console,
         f"held-out scores before training: reused from {path} (same model, problems, "
         "sampling and code)",
     )
-    return json.loads(path.read_text()) | {"cached": True}
+    return scores | {"cached": True}
 
 
 def store_eval_before(cfg: RunConfig, scores: dict[str, Any]) -> None:
-    """Keep the embedded model's held-out scores for later runs with the same evaluation."""
+    """Keep the embedded model's held-out scores for later runs with the same evaluation (a
+    damaged entry is replaced, a sound one kept)."""
     path = _eval_cache_file(cfg)
-    if path is not None and not path.is_file():
+    if path is None:
+        return
+    try:
+        _cached_scores(path, cfg)
+        return  # a sound entry: kept (another run may have written it meanwhile)
+    except InputError:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomically(path, json.dumps({k: v for k, v in scores.items() if k != "cached"}))
 
@@ -799,6 +857,12 @@ def _say(console: Any, message: str) -> None:
         console.print(message, highlight=False, soft_wrap=True)
 
 
+SUMMARY_TODO = (
+    "restore it from a copy, or remove it: the run then scores the model before training "
+    "again (its recorded training time is lost)"
+)
+
+
 def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any) -> Path:
     from transformers.trainer_callback import PrinterCallback
 
@@ -808,7 +872,6 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         ProgressCallback,
         checkpoint_step,
         evaluate_now,
-        last_checkpoint,
         save_model_atomically,
         target_steps,
         truncate_run_logs,
@@ -827,9 +890,13 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     precision = run_precision(cfg)
     args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
     peft_config = lora_config(cfg)
+    checkpoint = resume_checkpoint(run_dir) if resume else None  # checked: never a damaged one
     if resume:
         check_resume_steps(args.max_steps, run_dir)
-    checkpoint = last_checkpoint(run_dir) if resume else None
+    summary_file = run_dir / "summary.json"
+    summary = read_json(summary_file, SUMMARY_TODO) if summary_file.is_file() else {}
+    if not isinstance(summary, dict):
+        raise InputError(summary_file, "not a JSON object", SUMMARY_TODO)
     start_step = checkpoint_step(checkpoint)
     _say(console, f"precision: {precision.name} ({precision.reason}; {precision.capability})")
     model, tokenizer, train_ds = load_model_and_data(cfg, task)
@@ -842,8 +909,6 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     # steps after the checkpoint are trained again: their records go, so each step is logged once
     truncate_run_logs(run_dir, start_step)
 
-    summary_file = run_dir / "summary.json"
-    summary: dict[str, Any] = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     summary.update(
         task=cfg.task,
         model=cfg.model,

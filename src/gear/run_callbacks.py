@@ -33,17 +33,23 @@ def _record_step(line: str) -> float:
     return step if isinstance(step, int | float) and not isinstance(step, bool) else math.inf
 
 
+METRICS_TODO = "restore it from a copy, or move it aside (the run's curves are then lost)"
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """RUN_DIR/metrics.jsonl as one record per step, in step order: the records of a step
     (TRL's log, an evaluation, the end-of-training summary) merged, a later value of a key
     replacing an earlier one, so a step written twice (a run resumed by an older gear, which
     kept the records of steps it trained again) counts once, as last written. Lines that are
-    not complete JSON records are skipped."""
+    not complete JSON records (a write cut short) are skipped; a file that cannot be read as
+    text is an `InputError` naming it."""
+    from gear.inputs import read_text
+
     path = Path(path)
     if not path.is_file():
         return []
     by_step: dict[float, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for line in read_text(path, METRICS_TODO).splitlines():
         if not line.strip() or _record_step(line) == math.inf:
             continue
         record = json.loads(line)
@@ -58,9 +64,11 @@ def truncate_run_logs(run_dir: Path, step: int) -> None:
     were generated: step_000002.jsonl was written during the third step, so `step` keeps those
     below it). The steps after the checkpoint are trained again and logged anew, so each step
     appears once."""
+    from gear.inputs import read_text
+
     metrics = Path(run_dir) / "metrics.jsonl"
     if metrics.is_file():
-        lines = metrics.read_text().splitlines()
+        lines = read_text(metrics, METRICS_TODO).splitlines()
         keep = [line for line in lines if line.strip() and _record_step(line) <= step]
         if len(keep) != len(lines):
             tmp = metrics.with_name(f".{metrics.name}.tmp")

@@ -221,7 +221,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 if line.strip():
                     rows.append(json.loads(line))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from e
+        raise ValueError(
+            f"{path}: line {lineno} is not valid JSON ({e.msg}); correct or remove that line"
+        ) from e
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read data file {path}: {e}") from e
     return rows

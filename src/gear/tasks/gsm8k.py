@@ -108,7 +108,10 @@ class GSM8KTask(Task):
             from datasets import load_dataset
 
             return list(load_dataset(self.path, "main", split=split))
-        raise FileNotFoundError(f"gsm8k data not found: {path}")
+        raise FileNotFoundError(
+            f"gsm8k data not found: {path}; give path= a directory with train.jsonl and "
+            "test.jsonl, a .jsonl file or a Hub dataset name"
+        )
 
     def dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
         """Rows of ``split`` shuffled by ``seed``, the first ``n`` (all if None)."""

@@ -18,6 +18,13 @@ from typing import Any
 from torch import Tensor
 
 from gear.credit import CreditDetails
+from gear.inputs import InputError, read_text
+
+# what to do about a damaged credit record (`read_credit_records`)
+CREDIT_TODO = (
+    "move it aside to read the other records (a record cut short by a run killed while "
+    "writing it is written again when the run is resumed: `gear train --resume`)"
+)
 
 
 def credit_record_path(run_dir: str | Path, step: int) -> Path:
@@ -136,7 +143,8 @@ def read_credit_records(run_dir_or_file: str | Path) -> list[dict[str, Any]]:
     """All records of a run, sorted by (step, row).
 
     Accepts a run directory (reads `credit/step_*.jsonl`), the credit directory itself, or
-    one JSONL file.
+    one JSONL file. A file that is not JSON lines of records (cut short, say, by a run killed
+    while writing it) is an `InputError` naming it and the line.
     """
     p = Path(run_dir_or_file)
     if p.is_file():
@@ -146,7 +154,16 @@ def read_credit_records(run_dir_or_file: str | Path) -> list[dict[str, Any]]:
         files = sorted(credit.glob("step_*.jsonl"))
     records = []
     for f in files:
-        for line in f.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                records.append(json.loads(line))
+        for n, line in enumerate(read_text(f, CREDIT_TODO).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(
+                    f, f"line {n} is not a JSON record ({e.msg})", CREDIT_TODO
+                ) from None
+            if not isinstance(record, dict):
+                raise InputError(f, f"line {n} is not a record (a JSON object)", CREDIT_TODO)
+            records.append(record)
     return sorted(records, key=lambda r: (r.get("step", 0), r.get("row", 0)))
