@@ -61,6 +61,7 @@ def _inputs(
     signals: dict[str, Tensor | None],
     turn_starts: Tensor | None,
     params: CreditParams,
+    answer_mask: Tensor | None = None,
 ) -> tuple[CreditInputs, Tensor]:
     """Validate, cast to float64, and zero the signals of non-finite rows.
 
@@ -84,6 +85,7 @@ def _inputs(
         )
     _check("response_mask", response_mask, shape, "bool")
     _check("turn_starts", turn_starts, shape, "bool")
+    _check("answer_mask", answer_mask, shape, "bool")
     for name, value in signals.items():
         _check(name, value, shape, "float")
 
@@ -122,6 +124,9 @@ def _inputs(
         turn_starts=None
         if turn_starts is None
         else turn_starts.to(device=device, dtype=torch.bool),
+        answer_mask=None
+        if answer_mask is None
+        else answer_mask.to(device=device, dtype=torch.bool),
         **cast,
     )
     if params.success_floor > 0 and inputs.kl is not None:  # the guard: every method's d~
@@ -142,6 +147,7 @@ def credit_details(
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
+    answer_mask: Tensor | None = None,
     params: CreditParams | None = None,
 ) -> CreditDetails:
     """Per-token advantages of `params.method` plus everything needed to log and render them.
@@ -156,6 +162,8 @@ def credit_details(
         contrast_kl: (N, T) KL to a teacher shown a wrong ground truth (`params.contrast`).
         influence: (N, T) a token's influence on the final answer (`oar_g`;
             `gear.credit.attribution`).
+        answer_mask: (N, T) bool, the final answer's tokens in each completion (`oar_g`'s span,
+            `gear.spans`); None: each row's last `params.oar_answer_len` valid tokens.
         params: `CreditParams`; default GEAR with the spec's defaults.
     Returns:
         `CreditDetails`. Rows whose needed signals are not finite on valid tokens get w = 1.
@@ -169,7 +177,7 @@ def credit_details(
         "contrast_kl": contrast_kl,
         "influence": influence,
     }
-    x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params)
+    x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params, answer_mask)
     out = METHODS[params.method].fn(x, params)
 
     weights = torch.where(fallback[:, None] & x.valid, 1.0, out.weights)
@@ -207,6 +215,7 @@ def token_advantages(
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
+    answer_mask: Tensor | None = None,
     params: CreditParams | None = None,
 ) -> Tensor:
     """(N, T) per-token advantages of `params.method`; see `credit_details` for the arguments."""
@@ -220,6 +229,7 @@ def token_advantages(
         teacher_logprobs=teacher_logprobs,
         contrast_kl=contrast_kl,
         influence=influence,
+        answer_mask=answer_mask,
         params=params,
     ).token_advantages
 
