@@ -13,6 +13,7 @@ identical config, reused as the rule says.
     python studies/lm_learning.py report              # the rule's analysis -> lm_learning.json
     python studies/lm_learning.py report --final      # the budget ended: analyse complete rounds
     python studies/lm_learning.py placebo --arm X     # a winner's shape-matched placebo (step 4)
+    python studies/lm_learning.py posthoc             # issue 53's post-hoc OAR-G arm (below)
 
 The grid runs from a fixed checkout of the rule's code, so that later edits cannot change an
 arm mid-grid (each record names its commit); records land in this tree's folder:
@@ -253,6 +254,151 @@ def placebo(arm: str, seeds: int, workers: int) -> None:
     run_jobs(jobs, workers, placebo=True)
 
 
+# ------------------------------------------------------------------------------ post-hoc (53)
+# Not part of the rule: arms run after its analysis was read, recorded in the JSON's `post_hoc`
+# beside the pre-registered rows, which stay as they are. Records: `posthoc-<arm>-seed<s>.json`.
+
+#: post-hoc arm -> keys over the shipped default recipe
+POST_HOC: dict[str, dict[str, Any]] = {
+    # OAR-G as designed (issue 53): phi on the completion's parsed final answer ("4" "2", no
+    # end token), from raw logits; the rule's `oar_g` scored its last 2 tokens ("2" and
+    # <|im_end|>) at the sampling temperature
+    "oar_g_answer_span": {"credit_method": "oar_g", "credit_oar_span": "answer"},
+    # GRPO again at this commit on this machine (`posthoc --baseline`): a pair on one CPU class
+    "grpo_here": {"credit_method": "grpo"},
+}
+POST_HOC_ARM = "oar_g_answer_span"
+POST_HOC_CHECK = "lm_learning_posthoc_check.json"  # in RESULTS
+
+
+def posthoc_name(arm: str, seed: int) -> str:
+    return f"posthoc-{arm}-seed{seed}"
+
+
+def posthoc_record(arm: str, seed: int) -> dict | None:
+    path = RECORDS / f"{posthoc_name(arm, seed)}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = False) -> None:
+    """Issue 53's post-hoc OAR-G arm on the seeds the rule analysed (`out`'s `seeds`), with
+    `baseline` GRPO rerun here too; resumable (kept records are read back, a stopped run resumes
+    from its checkpoint). Before the first run, GRPO's first steps must be the grid's
+    (`pipeline_check`, kept in RESULTS / POST_HOC_CHECK). Then `posthoc_report`. `dry_run`:
+    check the keys and print the runs' commands, run nothing."""
+    from gear.integrations.trl import GEARConfig
+    from gear.run import resolve_config
+
+    seeds = json.loads(out.read_text())["seeds"]
+    arms = [POST_HOC_ARM, *(["grpo_here"] if baseline else [])]
+    for arm in arms:  # bad keys fail now, not after hours
+        trainer = resolve_config(None, POST_HOC[arm]).trainer
+        GEARConfig(output_dir=str(RUNS / "check"), **{**trainer, "bf16": False, "use_cpu": True})
+    jobs = [(a, s) for s in seeds for a in arms if posthoc_record(a, s) is None]
+    print(f"post-hoc: {len(jobs)} runs to go: {jobs}", flush=True)
+    if dry_run:
+        for a, s in jobs:
+            cmd = lm_recipe.gear_command(posthoc_name(a, s), POST_HOC[a], s, False, RUNS)
+            print(" ".join(cmd[1:]))
+        return
+    if jobs:
+        check = pipeline_check(BASELINE, RESULTS / POST_HOC_CHECK)
+        if not check["equal"]:
+            raise RuntimeError(
+                f"{BASELINE}: its first {CHECK_STEPS} steps differ between this commit and the "
+                f"grid's ({GRID_COMMIT[:7]}): {json.dumps(check['differ'])}; a post-hoc arm "
+                f"would not be paired with the grid's pipeline (see {RESULTS / POST_HOC_CHECK})"
+            )
+        lm_recipe.ensure_before("gate", "lora16_lr5e-4", "grpo")
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda job: posthoc_run(*job), jobs))
+    posthoc_report(out)
+
+
+def posthoc_run(arm: str, seed: int) -> dict:
+    """One post-hoc run to its record, which also keeps `gear/oar_span_fallback` per step."""
+    from gear.run_callbacks import read_metrics
+
+    name = posthoc_name(arm, seed)
+    meta = {"stage": "lm_learning_posthoc", "post_hoc": "issue 53", "arm": arm,
+            "keys": POST_HOC[arm], "commit": head_commit()}  # fmt: skip
+    r = lm_recipe.train(name, POST_HOC[arm], seed, meta, RUNS, RECORDS)
+    if "oar_span_fallback" not in r and (RUNS / name / "metrics.jsonl").is_file():
+        steps = [m for m in read_metrics(RUNS / name / "metrics.jsonl") if "reward" in m]
+        r["oar_span_fallback"] = [m.get("gear/oar_span_fallback") for m in steps]
+        lm_recipe.write_record(r, RECORDS)
+    print(f"kept {name} ({r['wall_s'] / 60:.1f} min)", flush=True)
+    return r
+
+
+def posthoc_report(out: Path) -> dict | None:
+    """`out`'s `post_hoc` section (every other key untouched) once the post-hoc arm has every
+    analysed seed: it − GRPO, paired by seed, 95% (no multiplicity correction: one post-hoc
+    comparison, labelled as such), against the rerun GRPO where `grpo_here` has every seed,
+    else the grid's GRPO; and it − the rule's `oar_g` (the span fix alone)."""
+    from gear.evidence import paired
+
+    result = json.loads(out.read_text())
+    seeds = result["seeds"]
+    rs = [posthoc_record(POST_HOC_ARM, s) for s in seeds]
+    if any(r is None for r in rs):
+        done = sum(r is not None for r in rs)
+        print(f"post-hoc: {done} of {len(seeds)} {POST_HOC_ARM} runs kept; no analysis yet")
+        return None
+    here = [posthoc_record("grpo_here", s) for s in seeds]
+    base = here if all(here) else [record(BASELINE, s) for s in seeds]
+    pre = [record("oar_g", s) for s in seeds]
+    check_path = RESULTS / POST_HOC_CHECK
+    check = json.loads(check_path.read_text()) if check_path.is_file() else {}
+    machines = {"post_hoc": sorted({r["capability"] for r in rs}),
+                "baseline": sorted({r["capability"] for r in base})}  # fmt: skip
+    a = [primary(r) for r in rs]
+    per_seed = [
+        {"seed": r["seed"], "after": primary(r), "greedy": r["after"]["pass@1"],
+         "commit": r.get("commit"), "resumed": r["resumed"], "capability": r["capability"]}
+        for r in rs
+    ]  # fmt: skip
+    section = {
+        "label": "post-hoc (issue 53): run after the rule's result was read; not part of the "
+        "pre-registered comparison, whose oar_g row (the last 2 tokens) is unchanged",
+        "arm": POST_HOC_ARM,
+        "keys": POST_HOC[POST_HOC_ARM],
+        "what": "oar_g with phi on the completion's parsed final answer (its digits, no end "
+        "token), from raw logits; the rule's oar_g scored the last 2 tokens (the last digit "
+        "and <|im_end|>) at the sampling temperature",
+        "seeds": seeds,
+        "baseline": "grpo_here: GRPO rerun at the post-hoc commit on the same machine"
+        if all(here)
+        else "grpo: the grid's records",
+        "vs_grpo": paired(a, [primary(r) for r in base]),
+        "vs_grpo_greedy": paired(
+            [r["after"]["pass@1"] for r in rs], [r["after"]["pass@1"] for r in base]
+        ),
+        "vs_preregistered_oar_g": paired(a, [primary(r) for r in pre]),
+        "level": 0.95,
+        "mean_after": statistics.mean(a),
+        "below_before": [r["seed"] for r in rs if primary(r) < r["before"]["mean_reward"]],
+        "oar_span_fallback_per_step": statistics.mean(
+            v for r in rs for v in r.get("oar_span_fallback", []) if v is not None
+        )
+        if any(r.get("oar_span_fallback") for r in rs)
+        else None,
+        "per_seed": per_seed,
+        "machine": machines,
+        "same_cpu_class": machines["post_hoc"] == machines["baseline"],
+        "pipeline_check": {k: check.get(k) for k in ("arm", "head", "capability", "equal")},
+        "seconds_per_step": seconds_per_step(rs),
+    }
+    result["post_hoc"] = {POST_HOC_ARM: section}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    d = section["vs_grpo"]
+    print(
+        f"post-hoc {POST_HOC_ARM} − {section['baseline'].split(':')[0]} (n = {d['n']}, 95%): "
+        f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]; machines {machines}"
+    )
+    return section
+
+
 #: what `pipeline_check` compares per step (`metrics.jsonl`): all are fixed by the pipeline
 CHECK_KEYS = ("reward", "loss", "grad_norm", "gear/kl_mean")
 
@@ -419,7 +565,7 @@ def budget(seeds: int) -> dict[str, Any]:
     own = [
         json.loads(p.read_text())
         for p in sorted(RECORDS.glob("*-seed*.json"))
-        if not p.name.startswith("placebo-")
+        if not p.name.startswith(("placebo-", "posthoc-"))
     ]
     used = (sum(r["wall_s"] for r in own) + sum(d["wall_s"] for d in DISCARDED)) / 3600
     # A round starts only if it is projected to end within the budget (the rule's 2026-11-26
@@ -625,6 +771,8 @@ def report(seeds: int, out: Path, final: bool = False, figure: Path = FIGURE) ->
             [primary(runs["gear"][s]) for s in unseen], [primary(runs[BASELINE][s]) for s in unseen]
         ) | {"seeds": unseen}
     result["decision"] = decision(result)
+    if out.is_file() and "post_hoc" in (kept := json.loads(out.read_text())):
+        result["post_hoc"] = kept["post_hoc"]  # issue 53's section, beside the rule's
     out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
     print(f"wrote {out} and {plot(result, figure)}")
@@ -755,12 +903,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("stage", choices=["grid", "status", "report", "placebo"])
+    ap.add_argument("stage", choices=["grid", "status", "report", "placebo", "posthoc"])
     ap.add_argument("--seeds", type=int, default=SEEDS)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "lm_learning.json")
     ap.add_argument("--final", action="store_true", help="report: the budget ended (the rule)")
     ap.add_argument("--arm", choices=CANDIDATES, help="placebo: the winner whose placebo runs")
+    ap.add_argument("--baseline", action="store_true", help="posthoc: rerun GRPO here too")
+    ap.add_argument("--dry-run", action="store_true", help="posthoc: print the runs, run none")
     a = ap.parse_args(argv)
     if a.seeds < 2 or a.workers < 1:
         ap.error("--seeds: at least 2; --workers: at least 1")
@@ -772,6 +922,8 @@ def main(argv: list[str] | None = None) -> int:
         status(a.seeds)
     elif a.stage == "placebo":
         placebo(a.arm, a.seeds, a.workers)
+    elif a.stage == "posthoc":
+        posthoc(a.out, a.workers, a.baseline, a.dry_run)
     else:
         report(a.seeds, a.out, a.final)
     return 0

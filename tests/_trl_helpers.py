@@ -65,6 +65,8 @@ def make_trainer(
         "teacher_model",
         "teacher_processing_class",
         "wrong_answer",
+        "answer_span",
+        "reference_text",
         "eval_dataset",
         "peft_config",
     )

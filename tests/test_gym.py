@@ -14,7 +14,7 @@ import torch
 from gear.gym import run
 from gear.gym.model import ModelConfig, WarmStart, build_model, sample
 from gear.gym.task import ID, STEP_LEN, ChainTask
-from gear.gym.train import RLConfig, answer_influence, credit, parse_arm, rl_step
+from gear.gym.train import RLConfig, answer_influence, credit, oar_span, parse_arm, rl_step
 
 TINY = ModelConfig(hidden=16, layers=1, heads=2)
 MICRO_WARM = WarmStart(target=1.0, max_steps=10, check_every=5, eval_n=16, batch=16)
@@ -371,19 +371,24 @@ def test_tables_stay_aligned_with_a_users_long_arm_name(monkeypatch):
 
 def test_oar_g_trains_in_the_gym_from_the_answer_influence():
     """`oar_g` reads no teacher: one input-gradient pass gives its influence, which is zero on
-    the answer span's last token and the credit reshapes the tokens before the span."""
+    the answer (the last result digit) and the ";" after it, and the credit reshapes the
+    tokens before the answer."""
     task = ChainTask(3)
     model = build_model(TINY, task)
     arm = parse_arm("oar_g")
     problems = task.problems(4, torch.Generator().manual_seed(3))
-    prompts = task.prompts(problems)
     comp = torch.randint(
         0, 10, (4, task.completion_len), generator=torch.Generator().manual_seed(1)
     )
-    infl = answer_influence(model, arm, prompts, comp)
-    assert infl.shape == comp.shape and torch.all(infl[:, -1] == 0) and bool(infl.gt(0).any())
+    infl = answer_influence(model, arm, task, problems, comp)
+    assert infl.shape == comp.shape and torch.all(infl[:, -2:] == 0) and bool(infl.gt(0).any())
     assert not any(p.grad is not None for p in model.parameters())  # no parameter gradients
-    assert answer_influence(model, parse_arm("grpo"), prompts, comp) is None
+    assert answer_influence(model, parse_arm("grpo"), task, problems, comp) is None
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    logits = torch.zeros(*comp.shape, 16)
+    w = credit(arm, task, problems, comp, adv, logits, logits, 0, influence=infl) / adv[:, None]
+    assert torch.allclose(w[:, -2:], torch.ones(4, 2)) and not torch.allclose(w, torch.ones_like(w))
+    assert torch.allclose(w[:, :-2].mean(dim=1), torch.ones(4, dtype=w.dtype))
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for seed in range(5):
@@ -395,6 +400,27 @@ def test_oar_g_trains_in_the_gym_from_the_answer_influence():
             break
     assert out["updated"] == 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_oar_g_spans_in_the_gym():
+    """'answer': the last result digit (the reward's), without the ";" after it; 'last': the
+    last "r;" (k = 2, gear before issue 53); 'reference': the true final digit appended, the
+    completion all reshaped."""
+    task = ChainTask(2)
+    problems = task.problems(3, torch.Generator().manual_seed(0))
+    comp = task.references(problems)
+    T = task.completion_len
+    for spec, appended, span_cols, answer_cols in (
+        ("oar_g", 0, [T - 2], [T - 2]),
+        ("oar_g@oar_span=last", 0, [T - 2, T - 1], [T - 2, T - 1]),
+        ("oar_g@oar_span=reference", 1, [T], []),
+    ):
+        ids, span, answer = oar_span(parse_arm(spec).params(0), task, problems, comp)
+        assert ids.shape == (3, T + appended) and torch.equal(ids[:, :T], comp)
+        assert all(span[i].nonzero().flatten().tolist() == span_cols for i in range(3))
+        assert all(answer[i].nonzero().flatten().tolist() == answer_cols for i in range(3))
+    ids, *_ = oar_span(parse_arm("oar_g@oar_span=reference").params(0), task, problems, comp)
+    assert torch.equal(ids[:, -1], task.results(problems)[:, -1])
 
 
 # ----------------------------------------------------------------------------- teacher contexts

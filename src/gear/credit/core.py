@@ -64,6 +64,7 @@ def _inputs(
     signals: dict[str, Tensor | None],
     turn_starts: Tensor | None,
     params: CreditParams,
+    answer_mask: Tensor | None = None,
 ) -> tuple[CreditInputs, Tensor]:
     """Validate, cast to float64, and zero the signals of non-finite rows.
 
@@ -87,6 +88,7 @@ def _inputs(
         )
     _check("response_mask", response_mask, shape, "bool")
     _check("turn_starts", turn_starts, shape, "bool")
+    _check("answer_mask", answer_mask, shape, "bool")
     for name, value in signals.items():
         _check(name, value, shape, "float")
 
@@ -125,6 +127,9 @@ def _inputs(
         turn_starts=None
         if turn_starts is None
         else turn_starts.to(device=device, dtype=torch.bool),
+        answer_mask=None
+        if answer_mask is None
+        else answer_mask.to(device=device, dtype=torch.bool),
         **cast,
     )
     if params.success_floor > 0 and inputs.kl is not None:  # the guard: every method's d~
@@ -145,6 +150,7 @@ def credit_details(
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
+    answer_mask: Tensor | None = None,
     params: CreditParams | None = None,
     scored: Tensor | None = None,
 ) -> CreditDetails:
@@ -160,6 +166,8 @@ def credit_details(
         contrast_kl: (N, T) KL to a teacher shown a wrong ground truth (`params.contrast`).
         influence: (N, T) a token's influence on the final answer (`oar_g`;
             `gear.credit.attribution`).
+        answer_mask: (N, T) bool, the final answer's tokens in each completion (`oar_g`'s span,
+            `gear.spans`); None: each row's last `params.oar_answer_len` valid tokens.
         params: `CreditParams`; default GEAR with the spec's defaults.
         scored: (N,) bool, the rows whose signals were computed, or None for all. Unscored rows
             must have advantage 0 and the method must read only advantaged rows
@@ -185,7 +193,7 @@ def credit_details(
             k: None if v is None else torch.where(skipped.to(v.device)[:, None], 0.0, v)
             for k, v in signals.items()
         }
-    x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params)
+    x, fallback = _inputs(advantages, response_mask, signals, turn_starts, params, answer_mask)
     out = METHODS[params.method].fn(x, params)
 
     unweighted = fallback if skipped is None else fallback | skipped
@@ -244,6 +252,7 @@ def token_advantages(
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
+    answer_mask: Tensor | None = None,
     params: CreditParams | None = None,
     scored: Tensor | None = None,
 ) -> Tensor:
@@ -258,6 +267,7 @@ def token_advantages(
         teacher_logprobs=teacher_logprobs,
         contrast_kl=contrast_kl,
         influence=influence,
+        answer_mask=answer_mask,
         params=params,
         scored=scored,
     ).token_advantages

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from gear.credit import segments as seg
-from gear.credit.attribution import answer_span, masked_quantile
+from gear.credit.attribution import answer_span, masked_quantile, tokens_before
 
 if TYPE_CHECKING:
     from gear.credit.params import CreditParams
@@ -45,6 +45,8 @@ class CreditInputs:
         kl, entropy, student_logprobs, teacher_logprobs: (N, T) float or None.
         influence: (N, T) float or None, a token's influence on the final answer (OAR-G,
             `gear.credit.attribution`).
+        answer_mask: (N, T) bool or None, the final answer's tokens in the completion (OAR-G's
+            span; None: each row's last `oar_answer_len` valid tokens).
         turn_starts: (N, T) bool or None.
     """
 
@@ -55,6 +57,7 @@ class CreditInputs:
     student_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
     influence: Tensor | None = None
+    answer_mask: Tensor | None = None
     turn_starts: Tensor | None = None
 
     @cached_property
@@ -371,12 +374,15 @@ def entropy_top(x: CreditInputs, p: CreditParams) -> MethodOutput:
 @register_method("oar_g", requires=("influence",), rows="advantaged")
 def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
     """OAR-G (Li et al., arXiv 2601.07408), conservative bi-level reshaping of a token's
-    influence on the final answer. Tokens before the answer span (the last `oar_answer_len`
-    valid ones, which keep w = 1): s = min-max of log1p|influence|, tau its `oar_quantile`;
-    w = max(s / tau, `oar_floor`) below tau, 1 + `oar_boost` (s - tau) / (1 - tau) from tau
-    on; then scaled to mean 1 over those tokens. Not sign-aware: w does not depend on A."""
+    influence on the final answer. The valid tokens before the answer span (`answer_mask`; all
+    of them where it is empty, as when the reference is appended; without it the last
+    `oar_answer_len` valid tokens) are reshaped; the span and what follows it keep w = 1:
+    s = min-max of log1p|influence|, tau its `oar_quantile`; w = max(s / tau, `oar_floor`)
+    below tau, 1 + `oar_boost` (s - tau) / (1 - tau) from tau on; then scaled to mean 1 over
+    those tokens. Not sign-aware: w does not depend on A."""
     assert x.influence is not None
-    scored = x.valid & ~answer_span(x.valid, p.oar_answer_len)
+    span = x.answer_mask if x.answer_mask is not None else answer_span(x.valid, p.oar_answer_len)
+    scored = tokens_before(span, x.valid)
     s = seg.minmax_normalise(torch.log1p(x.influence.abs()), scored)
     tau = masked_quantile(s, scored, p.oar_quantile)
     low = s < tau  # only possible where tau > 0

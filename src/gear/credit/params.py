@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MODULATIONS = ("linear", "exp")
+#: what OAR-G's phi scores (docs/spec.md, OAR-G): the completion's parsed final answer, the
+#: reference answer appended after the completion (the authors' way), or the last k tokens
+OAR_SPANS = ("answer", "reference", "last")
 #: fields the trainers (TRL, verl) do not take as credit fields: `contrast` needs a second
 #: teacher pass, which their `teacher_context` setting ('contrast') turns on with it
 CONTEXT_FIELDS = ("contrast",)
@@ -62,11 +65,24 @@ class CreditParams:
             "candidate's signals."
         },
     )
+    oar_span: str = field(
+        default="answer",
+        metadata={
+            "help": "oar_g: the tokens whose log-probability phi the influence is measured on. "
+            "'answer': the completion's own final answer as the task parses it (its tokens, "
+            "found through the tokenizer's offsets; no end token); they and the tokens after "
+            "them keep weight 1. 'reference': the authors' way, the reference answer (the "
+            "answer column) appended after the completion; every completion token is reshaped. "
+            "'last': each row's last oar_answer_len policy tokens (gear before issue 53). A row "
+            "whose answer (or reference) is not found falls back to 'last' "
+            "(gear/oar_span_fallback counts them)."
+        },
+    )
     oar_answer_len: int = field(
         default=2,
         metadata={
-            "help": "oar_g: the final answer is each row's last this many policy tokens; their "
-            "log-probability is what influence is measured on, and they keep weight 1."
+            "help": "oar_g: k, the span of oar_span='last' and of the rows whose answer is not "
+            "found: each row's last k policy tokens, which keep weight 1."
         },
     )
     oar_quantile: float = field(
@@ -148,6 +164,8 @@ class CreditParams:
             raise bad("rlsd_eps", "a number in [0, 1)")
         if not 0 < self.rho <= 1:
             raise bad("rho", "a number in (0, 1]")
+        if self.oar_span not in OAR_SPANS:
+            raise bad("oar_span", f"one of {list(OAR_SPANS)}")
         if int(self.oar_answer_len) != self.oar_answer_len or self.oar_answer_len < 1:
             raise bad("oar_answer_len", "an integer >= 1")
         if not 0 <= self.oar_quantile <= 1:

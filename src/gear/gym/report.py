@@ -195,7 +195,7 @@ def localisation(
             w = -credit(
                 arm, task, p, c, adv, s_logits[rows], t_logits[rows], seed=seed,
                 contrast_logits=c_logits[rows],
-                influence=answer_influence(model, arm, student[rows], c),
+                influence=answer_influence(model, arm, task, p, c),
             )  # fmt: skip
             top = w >= w.max(dim=1, keepdim=True).values - 1e-9
             in_step = task.step_mask(st)

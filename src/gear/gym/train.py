@@ -36,7 +36,7 @@ from gear.credit.attribution import (
 )
 from gear.credit.signals import ESTIMATORS, signals_from_logits
 from gear.gym.model import ModelConfig, build_model, completion_logits, evaluate, sample
-from gear.gym.task import STEP_LEN, ChainTask
+from gear.gym.task import RESULT_OFFSET, STEP_LEN, ChainTask
 
 #: a sharp modulation: a negative row's weight goes almost all to its flagged tokens (raw
 #: exp(5) = 148 vs 1, mass-preserved: a flagged step of 6 tokens in 24 gets 3.92 a token and
@@ -175,9 +175,13 @@ def credit(
     """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient).
 
     `contrast_logits`: the contrast teacher's (a wrong hint), needed when the arm's
-    `CreditParams.contrast` is on. `influence`: (N, T) `answer_influence`, for `oar_g`."""
+    `CreditParams.contrast` is on. `influence`: (N, T) `answer_influence`, for `oar_g` (its
+    answer span: `oar_span`)."""
     mask = torch.ones_like(completions, dtype=torch.bool)
     params = arm.params(seed)
+    answer_mask = None
+    if "influence" in params.required_signals:
+        answer_mask = oar_span(params, task, problems, completions)[2]
 
     def signals(teacher: Tensor) -> Any:
         return signals_from_logits(
@@ -207,30 +211,60 @@ def credit(
         teacher_logprobs=sig.teacher_logprobs,
         contrast_kl=contrast_kl,
         influence=influence,
+        answer_mask=answer_mask,
         params=params,
     )
 
 
+def oar_span(
+    params: CreditParams, task: ChainTask, problems: Tensor, completions: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """OAR-G's answer span in the gym (`CreditParams.oar_span`, docs/spec.md).
+
+    'answer': the last step's result digit, the one the reward reads (the ";" after it ends a
+    step, not the answer, so it is not part of the span, as no end token is on a real LM);
+    'reference': the true final digit appended after the completion (the authors' way);
+    'last': the last `oar_answer_len` tokens (the last "r;" at k = 2). Every gym completion has
+    its answer at the same place, so no row falls back.
+
+    Returns (N, T') the ids after the prompt that the influence pass reads (the completion,
+    plus the reference under 'reference'), (N, T') bool the span phi scores, and (N, T) bool
+    the span inside the completion (`credit_details`' `answer_mask`)."""
+    T = completions.shape[1]
+    if params.oar_span == "reference":
+        ids = torch.cat([completions, task.results(problems)[:, -1:]], dim=1)
+        span = torch.zeros_like(ids, dtype=torch.bool)
+        span[:, -1] = True
+        return ids, span, torch.zeros_like(completions, dtype=torch.bool)
+    if params.oar_span == "last":
+        span = answer_span(torch.ones_like(completions, dtype=torch.bool), params.oar_answer_len)
+    else:
+        span = torch.zeros_like(completions, dtype=torch.bool)
+        span[:, T - STEP_LEN + RESULT_OFFSET] = True
+    return completions, span, span
+
+
 def answer_influence(
-    model: Any, arm: Arm, prompts: Tensor, completions: Tensor, temperature: float = 1.0
+    model: Any, arm: Arm, task: ChainTask, problems: Tensor, completions: Tensor
 ) -> Tensor | None:
-    """(N, T) OAR-G influence of each completion token on the log-probability of the
-    completion's last `oar_answer_len` tokens (`gear.credit.attribution`; the task's answer is
-    the last step's "r;"), or None when the arm's method reads no influence."""
-    if "influence" not in arm.params(0).required_signals:
+    """(N, T) OAR-G influence of each completion token on the log-probability of the answer
+    span (`oar_span`; `gear.credit.attribution`) under the model's raw logits (the authors'
+    phi: no sampling temperature), or None when the arm's method reads no influence."""
+    params = arm.params(0)
+    if "influence" not in params.required_signals:
         return None
-    k = arm.params(0).oar_answer_len
-    span = answer_span(torch.ones_like(completions, dtype=torch.bool), k)
-    idx, real = span_positions(span, k)
-    P = prompts.shape[1]
+    ids, span, _ = oar_span(params, task, problems, completions)
+    idx, real = span_positions(span)
+    prompts = task.prompts(problems)
+    P, T = prompts.shape[1], completions.shape[1]
 
     def score(embeds: Tensor) -> Tensor:  # the gym's vocabulary is 16: full logits are cheap
         z = model(inputs_embeds=embeds, use_cache=False).logits[:, P - 1 : -1]
         z = z.gather(1, idx[..., None].expand(-1, -1, z.shape[-1]))
-        return span_logprob(z, completions.gather(1, idx), real, temperature)
+        return span_logprob(z, ids.gather(1, idx), real)
 
-    embeds = model.get_input_embeddings()(torch.cat([prompts, completions], dim=1))
-    return input_gradient_influence(score, embeds)[:, P:]
+    embeds = model.get_input_embeddings()(torch.cat([prompts, ids], dim=1))
+    return input_gradient_influence(score, embeds)[:, P : P + T]
 
 
 @torch.no_grad()
@@ -289,7 +323,7 @@ def rl_step(
     teacher, contrast = teacher_logits(model, arm, task, rep, comp)
     with torch.no_grad():
         old_logp = token_logprobs(logits, comp, cfg.temperature)
-    influence = answer_influence(model, arm, prompts, comp, cfg.temperature)
+    influence = answer_influence(model, arm, task, rep, comp)
     adv_tok = credit(
         arm, task, rep, comp, adv, logits, teacher, credit_seed, cfg.temperature, contrast,
         influence,

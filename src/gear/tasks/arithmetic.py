@@ -24,6 +24,7 @@ from gear.tasks.base import (
     check_n,
     check_split,
     final_answer,
+    final_answer_span,
     make_dataset,
     numbers_equal,
     parse_mix,
@@ -138,3 +139,7 @@ class ArithmeticTask(Task):
     def is_correct(self, completion_text: str, answer: str) -> bool:
         """The completion's final number equals ``answer``."""
         return numbers_equal(to_number(final_answer(completion_text)), to_number(answer))
+
+    def answer_span(self, completion_text: str) -> tuple[int, int] | None:
+        """Where `is_correct` reads the final number (`final_answer_span`)."""
+        return final_answer_span(completion_text)

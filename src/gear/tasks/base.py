@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from datasets import Dataset, Features, List, Value
 
-from gear.teacher import offset_answer
+from gear.teacher import ground_truth_text, offset_answer
 
 SPLITS = ("train", "test")
 
@@ -71,6 +71,19 @@ class Task:
         batch), failing at start-up when there is none. Override it where a near miss of another
         form is the natural wrong answer; it must never return ``answer`` itself."""
         return offset_answer(answer, rng)
+
+    def answer_span(self, completion_text: str) -> tuple[int, int] | None:
+        """``(start, end)``: the characters of the final answer the reward reads in one
+        completion text, or None where there is none. OAR-G scores the log-probability of
+        these characters' tokens (``credit_oar_span="answer"``, docs/spec.md); a row with None
+        falls back to its last ``oar_answer_len`` tokens. Default: None (no answer parser)."""
+        return None
+
+    def reference_text(self, answer: Any) -> str | None:
+        """The text of a reference ``answer`` (the ``answer`` column) as a completion would
+        write it: what OAR-G appends after the completion under ``credit_oar_span="reference"``
+        (the authors' way). Default: the value as text (`gear.teacher.ground_truth_text`)."""
+        return ground_truth_text(answer)
 
     def prepare_tokenizer(self, tokenizer: Any) -> Any:
         """Adapt the tokenizer before training (default: unchanged). Returns it."""
@@ -147,21 +160,32 @@ def final_answer(text: str) -> str | None:
 
     Priority: the last ``\\boxed{...}``; else the number after the last "Answer:"/"answer is"
     marker (after the last "=" if the marker is followed by an equation, "Answer: 12 + 7 = 19");
-    else the last number in the text.
+    else the last number in the text. Where it lies: `final_answer_span`.
     """
-    boxed = _BOXED.findall(text)
+    span = final_answer_span(text)
+    return None if span is None else text[span[0] : span[1]].replace(",", "")
+
+
+def final_answer_span(text: str) -> tuple[int, int] | None:
+    """``(start, end)``: where `final_answer` reads the final answer in ``text`` (the characters
+    ``text[start:end]``, commas included), or None where it finds none. OAR-G's answer span
+    (docs/spec.md) is the tokens of these characters."""
+    boxed = list(_BOXED.finditer(text))
     if boxed:
-        return boxed[-1].strip().replace(",", "")
+        inner, start = boxed[-1].group(1), boxed[-1].start(1)
+        start += len(inner) - len(inner.lstrip())
+        return start, start + len(inner.strip())
     for match in reversed(list(_MARKER.finditer(text))):
-        segment = match.group(1)
+        segment, start = match.group(1), match.start(1)
         run = _MATH_RUN.match(segment).group()
         if "=" in run:
-            segment = segment[run.rindex("=") + 1 :]
+            cut = run.rindex("=") + 1
+            segment, start = segment[cut:], start + cut
         number = re.match(r"[\s*$]*(" + _NUMBER + ")", segment)
         if number:
-            return number.group(1).replace(",", "")
-    numbers = re.findall(_NUMBER, text)
-    return numbers[-1].replace(",", "") if numbers else None
+            return start + number.start(1), start + number.end(1)
+    numbers = list(re.finditer(_NUMBER, text))
+    return numbers[-1].span() if numbers else None
 
 
 def to_number(text: str | None) -> float | None:

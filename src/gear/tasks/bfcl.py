@@ -232,9 +232,12 @@ def _parse_block(text: str) -> list[Call] | None:
     return _calls_from_python(text)
 
 
+TOOL_CALL = r"<tool_call>(.*?)(?:</tool_call>|$)"
+
+
 def parse_calls(text: str) -> list[Call] | None:
     """Function calls ``[(name, arguments)]`` in a completion text, or None if unparseable."""
-    blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, flags=re.S)
+    blocks = re.findall(TOOL_CALL, text, flags=re.S)
     calls = []
     for block in blocks or [text]:
         parsed = _parse_block(block)
@@ -418,3 +421,21 @@ class BFCLTask(Task):
     def is_correct(self, completion_text: str, answer: str) -> bool:
         """The completion's calls match the BFCL reference ``answer`` (JSON)."""
         return calls_match(parse_calls(completion_text), json.loads(answer))
+
+    def answer_span(self, completion_text: str) -> tuple[int, int] | None:
+        """The calls `parse_calls` reads: from the first ``<tool_call>`` block's content to the
+        last one's (without the tags), or the whole stripped text where there is no block;
+        None where the calls do not parse."""
+        if parse_calls(completion_text) is None:
+            return None
+        blocks = list(re.finditer(TOOL_CALL, completion_text, flags=re.S))
+        start, end = (
+            (blocks[0].start(1), blocks[-1].end(1)) if blocks else (0, len(completion_text))
+        )
+        inner = completion_text[start:end]
+        start += len(inner) - len(inner.lstrip())
+        return start, start + len(inner.strip())
+
+    def reference_text(self, answer: Any) -> str | None:
+        """The reference calls (the first option of each argument) as the prompt asks for them."""
+        return render_calls(reference_calls(json.loads(answer)))

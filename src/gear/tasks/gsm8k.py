@@ -28,6 +28,7 @@ from gear.tasks.base import (
     check_n,
     check_split,
     final_answer,
+    final_answer_span,
     make_dataset,
     numbers_equal,
     read_jsonl,
@@ -145,3 +146,7 @@ class GSM8KTask(Task):
         if "\\boxed" in completion_text:  # e.g. \boxed{\frac{36}{2}}
             return math_verify_equal(answer, completion_text)
         return span is not None and math_verify_equal(answer, span)
+
+    def answer_span(self, completion_text: str) -> tuple[int, int] | None:
+        """Where `is_correct` reads the final answer (`final_answer_span`)."""
+        return final_answer_span(completion_text)

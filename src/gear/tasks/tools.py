@@ -55,6 +55,7 @@ from gear.tasks.base import (
     check_n,
     check_split,
     final_answer,
+    final_answer_span,
     last_assistant_text,
     make_dataset,
     numbers_equal,
@@ -64,6 +65,7 @@ from gear.tasks.base import (
 )
 
 KINDS = ("calc", "lookup")
+TOOL_BLOCK = r"<tool_(call|response)>.*?(</tool_\1>|$)"  # what the reward ignores
 DEFAULT_MIX = {"calc": 0.5, "lookup": 0.5}
 TEST_FRACTION = 0.2
 DEFAULT_SIZE = {"train": 2000, "test": 200}
@@ -277,8 +279,14 @@ class ToolsTask(Task):
 
     def is_correct(self, completion_text: str, answer: str) -> bool:
         """The final answer, outside tool calls and tool responses, equals ``answer``."""
-        text = re.sub(r"<tool_(call|response)>.*?(</tool_\1>|$)", " ", completion_text, flags=re.S)
+        text = re.sub(TOOL_BLOCK, " ", completion_text, flags=re.S)
         return numbers_equal(to_number(final_answer(text)), to_number(answer))
+
+    def answer_span(self, completion_text: str) -> tuple[int, int] | None:
+        """Where `is_correct` reads the final answer: `final_answer_span` with the tool calls and
+        tool responses blanked (spaces of the same length, so the offsets stay the text's)."""
+        blank = re.sub(TOOL_BLOCK, lambda m: " " * len(m.group()), completion_text, flags=re.S)
+        return final_answer_span(blank)
 
     def prepare_tokenizer(self, tokenizer: Any) -> Any:
         """Give a ChatML tokenizer without tool support (SmolLM2) TRL's Qwen2.5 template."""

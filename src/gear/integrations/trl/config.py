@@ -97,6 +97,7 @@ class GEARConfig(GRPOConfig):
     credit_rlsd_lambda: float = _credit_field("rlsd_lambda")
     credit_rlsd_eps: float = _credit_field("rlsd_eps")
     credit_rho: float = _credit_field("rho")
+    credit_oar_span: str = _credit_field("oar_span")
     credit_oar_answer_len: int = _credit_field("oar_answer_len")
     credit_oar_quantile: float = _credit_field("oar_quantile")
     credit_oar_boost: float = _credit_field("oar_boost")

@@ -35,6 +35,7 @@ def batch_credit(
     signals: TokenSignals | None,
     params: CreditParams,
     influence: Tensor | None = None,
+    answer_mask: Tensor | None = None,
     scored: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
@@ -45,6 +46,8 @@ def batch_credit(
         signals: this process's (B, T) signals, or None when the method needs none; a
             `ContrastSignals` also gives the contrast teacher's KL (`params.contrast`).
         influence: (B, T) this process's OAR-G influence (`oar_g`), or None.
+        answer_mask: (B, T) bool, the answer's tokens in this process's completions (`oar_g`'s
+            span, `gear.spans`), or None.
         scored: (B,) bool, this process's rows whose signals were computed (the others have
             advantage 0: `scored_rows`), or None for all.
     """
@@ -54,6 +57,7 @@ def batch_credit(
         **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
         "contrast_kl": getattr(signals, "contrast_kl", None),
         "influence": influence,
+        "answer_mask": answer_mask,
     }
     world = accelerator.num_processes
     B, T = valid.shape
@@ -66,7 +70,7 @@ def batch_credit(
             else accelerator.gather(accelerator.pad_across_processes(v.float(), dim=1, pad_index=0))
             for k, v in inputs.items()
         }
-        for k in ("valid", "turn_starts"):
+        for k in ("valid", "turn_starts", "answer_mask"):
             inputs[k] = None if inputs[k] is None else inputs[k].bool()
     details = credit_details(
         advantages, inputs.pop("valid"), **inputs, params=params, scored=scored

@@ -20,12 +20,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from gear.credit import TokenSignals
-from gear.credit.attribution import (
-    answer_span,
-    input_gradient_influence,
-    span_logprob,
-    span_positions,
-)
+from gear.credit.attribution import input_gradient_influence, span_logprob, span_positions
 from gear.credit.signals import signals_from_hidden, signals_from_teacher_logprobs
 from gear.modeling import LogitConventions
 from gear.modeling.lora import merged_lora
@@ -167,21 +162,26 @@ def answer_influence(
     model: nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor,
-    valid: Tensor,
-    answer_len: int,
+    span: Tensor,
     batch_size: int | None = None,
 ) -> Tensor:
-    """(B, T) OAR-G influence of each completion token (`gear.credit.attribution`): one forward
-    and one input-gradient backward per chunk of `batch_size` rows, no parameter gradients.
+    """(B, T) OAR-G influence of each of the last T tokens (`gear.credit.attribution`): one
+    forward and one input-gradient backward per chunk of `batch_size` rows, no parameter
+    gradients.
 
     Args:
-        input_ids, attention_mask: (B, L) prompt + completion, the completion its last T columns.
-        valid: (B, T) bool policy tokens; the answer span is each row's last `answer_len`.
-    Logits are formed only at the span's positions (B, answer_len, V), never (B, L, V).
+        input_ids, attention_mask: (B, L) prompt + completion (and, under
+            `oar_span='reference'`, the appended reference), the completion its last T columns.
+        span: (B, T) bool, the answer span among the last T columns (`gear.spans`): phi is the
+            mean log-probability of its tokens under the model's raw logits (the authors'
+            objective; the sampling temperature is not applied, the model's own logit
+            conventions are).
+    Logits are formed only at the span's positions (B, longest span, V), never (B, L, V).
     """
     inner = unwrap_model(forwards.accelerator.unwrap_model(model))
-    T = valid.shape[1]
-    idx, real = span_positions(answer_span(valid, answer_len), answer_len)
+    T = span.shape[1]
+    idx, real = span_positions(span)
+    raw = forwards.conventions.signal_kwargs(1.0)  # softcap / logit scale, no temperature
     targets = input_ids[:, -T:].gather(1, idx)
     head, positions = lm_head(inner), takes_position_ids(inner)
     batch_size = batch_size or input_ids.size(0)
@@ -211,7 +211,7 @@ def answer_influence(
                     )
                 h = only_capture(got, inner)  # (b, T, H), predicting each completion token
                 h = h.gather(1, idx[rows, :, None].expand(-1, -1, h.shape[-1]))
-                return span_logprob(head(h), targets[rows], real[rows], **forwards.kernel_kwargs())
+                return span_logprob(head(h), targets[rows], real[rows], **raw)
 
             embeds = inner.get_input_embeddings()(input_ids[rows])
             out.append(input_gradient_influence(score, embeds)[:, -T:])

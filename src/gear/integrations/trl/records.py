@@ -10,7 +10,11 @@ from torch import Tensor
 from gear.credit import CreditDetails, TokenSignals
 from gear.viz.record import credit_record_path, credit_rows, write_credit_record
 
-SUMMED_STATS = ("gear/teacher_prompts_truncated", "gear/rows_without_ground_truth")
+SUMMED_STATS = (
+    "gear/teacher_prompts_truncated",
+    "gear/rows_without_ground_truth",
+    "gear/oar_span_fallback",
+)
 
 
 def log_stats(accelerator: Any, metrics: dict[str, list], stats: dict[str, float]) -> None:

@@ -16,6 +16,7 @@ import os
 import random
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -68,7 +69,9 @@ from gear.integrations.trl.vllm_teacher import (
     teacher_sequences,
 )
 from gear.modeling import LogitConventions
-from gear.teacher import TeacherPrompts, WrongAnswer, offset_answer
+from gear.spans import LocateAnswer, answer_spans
+from gear.tasks.base import final_answer_span
+from gear.teacher import TeacherPrompts, WrongAnswer, ground_truth_text, offset_answer
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
 if not TESTED_TRL[0] <= Version(trl.__version__) < TESTED_TRL[1]:
@@ -92,7 +95,12 @@ class GEARTrainer(GRPOTrainer):
     the policy's. A third, `wrong_answer` (`teacher_context='contrast'` only), is the hook
     `(answer, rng) -> str | None` that gives the contrast teacher its wrong answer (a task's
     `Task.wrong_answer`; default `gear.teacher.offset_answer`: a number plus a nonzero offset;
-    where it gives None, another answer of the dataset or batch).
+    where it gives None, another answer of the dataset or batch). OAR-G (`credit_method='oar_g'`)
+    takes two more: `answer_span(completion_text) -> (start, end) | None`, where the completion's
+    final answer lies (`credit_oar_span='answer'`; a task's `Task.answer_span`; default
+    `gear.tasks.base.final_answer_span`: the last \\boxed{}, "Answer: N", else the last number),
+    and `reference_text(answer) -> str | None`, the text appended for the `answer_column` value
+    (`credit_oar_span='reference'`; default the value as text).
     """
 
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "gear"]
@@ -124,6 +132,8 @@ class GEARTrainer(GRPOTrainer):
         teacher_model: PreTrainedModel | str | None = None,
         teacher_processing_class: Any = None,
         wrong_answer: WrongAnswer | None = None,
+        answer_span: LocateAnswer | None = None,
+        reference_text: Callable[[Any], str | None] | None = None,
     ) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -203,6 +213,16 @@ class GEARTrainer(GRPOTrainer):
                 "unwrapped model with an input gradient, which DeepSpeed and FSDP do not allow; "
                 "use DDP or one process"
             )
+        if self._needs_influence and self.credit_params.oar_span == "reference":
+            columns = getattr(train_dataset, "column_names", None)
+            if columns is not None and args.answer_column not in columns:
+                raise ValueError(
+                    f"credit_oar_span='reference' appends each row's reference answer from "
+                    f"answer_column={args.answer_column!r}, which the dataset does not have; "
+                    f"columns present: {sorted(columns)}"
+                )
+        self._gear_answer_span = answer_span or final_answer_span
+        self._gear_reference_text = reference_text or ground_truth_text
         self._needs_signals = self_distill or bool(set(requires) - {"influence"})
         self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
         if self._needs_signals and (shapers := sampling_shapers(args)):
@@ -355,13 +375,19 @@ class GEARTrainer(GRPOTrainer):
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
-        influence = (
-            self._influence(output, valid, mode, stats, scored) if self._needs_influence else None
-        )
+        influence = answer_mask = None
+        if self._needs_influence:
+            influence, answer_mask = self._influence(inputs, output, valid, mode, stats, scored)
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
         details = self._credit(
-            sequence_advantages, valid, turn_starts, credit_signals, influence, scored
+            sequence_advantages,
+            valid,
+            turn_starts,
+            credit_signals,
+            influence,
+            answer_mask=answer_mask,
+            scored=scored,
         )
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
@@ -484,39 +510,56 @@ class GEARTrainer(GRPOTrainer):
 
     def _influence(
         self,
+        inputs: list[dict[str, Any]],
         output: dict[str, Any],
         valid: Tensor,
         mode: str,
         stats: dict[str, float],
         scored: Tensor | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         """(B, T) OAR-G influence of each completion token on the log-probability of the row's
-        last `credit_oar_answer_len` policy tokens (`forwards.answer_influence`, eval mode);
-        its seconds go to `gear/time_influence`. Given `scored` (B,) bool, only those rows are
-        scored; the others' influence is 0."""
-        if scored is not None:
-            rows = scored.nonzero().squeeze(1)
-            influence = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-            if rows.numel() > 0:
-                part = self._influence(_rows_of(output, rows), valid[rows], mode, stats)
-                influence[rows] = part.to(influence.dtype)
-            else:
-                stats["gear/time_influence"] = 0.0
-            return influence
+        answer span (`gear.spans.answer_spans` under `credit_oar_span`;
+        `forwards.answer_influence`, eval mode), and the (B, T) bool answer span inside the
+        completions. Given `scored` (B,) bool, the influence pass runs on those rows only (the
+        others' influence is 0). Scored rows whose answer is not found (scored on their last
+        `credit_oar_answer_len` tokens) are counted in `gear/oar_span_fallback`; the seconds go
+        to `gear/time_influence`."""
         t0 = time.perf_counter()
-        batch_size = self._micro_batch(mode)
-        with eval_mode(self.accelerator.unwrap_model(self.model)):
-            influence = answer_influence(
-                self._forwards,
-                self.model,
-                torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
-                torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
-                valid,
-                self.credit_params.oar_answer_len,
-                batch_size,
-            )
+        references = None
+        if self.credit_params.oar_span == "reference":
+            column = self.args.answer_column
+            references = [self._gear_reference_text(row.get(column)) for row in inputs]
+        spans = answer_spans(
+            self.credit_params,
+            self._tokenizer,
+            output["completion_ids"],
+            output["completion_mask"],
+            valid,
+            self._gear_answer_span,
+            references,
+        )
+        ids = torch.cat([output["prompt_ids"], spans.completion_ids], dim=1)
+        mask = torch.cat([output["prompt_mask"], spans.completion_mask], dim=1)
+        rows = None if scored is None else scored.nonzero().squeeze(1)
+        influence = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        if rows is None or rows.numel() > 0:
+            keep = slice(None) if rows is None else rows
+            with eval_mode(self.accelerator.unwrap_model(self.model)):
+                part = answer_influence(
+                    self._forwards,
+                    self.model,
+                    ids[keep],
+                    mask[keep],
+                    spans.span[keep],
+                    self._micro_batch(mode),
+                )
+            influence[keep] = part[:, : valid.shape[1]].to(influence.dtype)
+        fallback = (
+            spans.fallback if scored is None else spans.fallback & scored.to(spans.fallback.device)
+        )
+        stats["gear/oar_span_fallback"] = float(fallback.sum())
         stats["gear/time_influence"] = time.perf_counter() - t0
-        return influence
+        return influence, spans.answer_mask
 
     def _teacher_pass(
         self, ids: Tensor, mask: Tensor, output: dict[str, Any], batch_size: int
@@ -568,6 +611,7 @@ class GEARTrainer(GRPOTrainer):
         turn_starts: Tensor | None,
         signals: TokenSignals | None,
         influence: Tensor | None = None,
+        answer_mask: Tensor | None = None,
         scored: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
@@ -579,6 +623,7 @@ class GEARTrainer(GRPOTrainer):
             signals,
             self._batch_credit_params(),
             influence,
+            answer_mask,
             scored,
         )
 
