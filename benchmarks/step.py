@@ -33,6 +33,18 @@ right-answer teacher's KL minus a wrong-answer teacher's, one more teacher pass,
 With `--lora R` every arm trains a LoRA adapter of rank R (gear train's `lora_r`: the same
 PEFT config for TRL's trainer and GEAR's); its result is kept under `lora_r<R>` in step.json
 beside the full fine-tuning figures.
+
+Beside the step ratio it reports the non-generation ratio (step minus generation, GEAR over
+GRPO), the share of rows GEAR left unscored (`gear/rows_skipped`: advantage 0), and GEAR's
+teacher pass per 1k teacher tokens against a plain no-grad forward of the same model per 1k
+tokens. `--tie-share S` replaces the task's reward by `gear.testing.tied_reward(S)` (a share S
+of the prompts tie, the rest vary), so that a randomly initialised model, whose task reward is 0
+everywhere, still exercises the teacher; `--random-init` takes only the config and tokenizer
+of `--model` (a directory) and initialises the weights at random, for timing at a shape whose
+weights are not at hand (a GPU, `benchmarks/gpu.sh step`):
+
+    python benchmarks/step.py --model .cache/smollm2-1.7b-shape --random-init --tie-share 0.5 \
+        --completions 64 --generations 8 --completion-length 256 --methods grpo,gear
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, machine, print_table, write_json
+from gear.testing import tied_reward
 
 CHECKPOINTING = (
     "activation_checkpointing"
@@ -117,9 +130,13 @@ def run(
     model = copy.deepcopy(model0)
     clock = StepClock()
     peft_config = lora_config(resolve_values({"lora_r": args.lora}))  # None without --lora
+    if args.tie_share is not None:  # both arms (gear.run's build_trainer reads task.reward)
+        task = copy.copy(task)
+        task.reward = tied_reward(args.tie_share)
+    reward = task.reward
     common = dict(  # what both trainers are given besides their config
         model=model,
-        reward_funcs=[task.reward],
+        reward_funcs=[reward],
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[clock],
@@ -181,12 +198,53 @@ def run(
             "cpu_s": clock.cpus[i],
             "generation_s": gen_times[i],
             "completion_tokens": entry.get("num_tokens"),
+            "rows_skipped": float(entry.get("gear/rows_skipped", 0.0)),
+            "teacher_tokens": float(entry.get("gear/teacher_tokens", 0.0)),
         }
         for name in GEAR_TIMES:
             row[f"{name}_s"] = float(entry.get(f"gear/time_{name}", 0.0))
         row["rest_s"] = wall - row["generation_s"] - sum(row[f"{n}_s"] for n in GEAR_TIMES)
+        row["non_generation_s"] = wall - row["generation_s"]
         rows.append(row)
     return rows
+
+
+def plain_forward_per_1k(model: Any, tokenizer: Any, args: argparse.Namespace) -> float:
+    """Seconds per 1k tokens of a plain no-grad forward of `model` (eval mode, the run's
+    precision, one position of logits as the teacher pass asks): a batch of --completions rows
+    of 256 random tokens, the median of 3 after one warm-up. The teacher pass's target is at
+    most 1.1x this per token."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = copy.deepcopy(model).to(device).eval()
+    ids = torch.randint(100, min(len(tokenizer), 30000), (args.completions, 256), device=device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.bf16)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    with torch.no_grad(), autocast:
+        for _ in range(4):
+            t0 = time.perf_counter()
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+            sync()
+            times.append(time.perf_counter() - t0)
+    del model
+    return statistics.median(times[1:]) / (ids.numel() / 1000)
+
+
+def random_model_and_data(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """A model of `--model`'s config (a directory) with random weights (seeded), its tokenizer,
+    and the arithmetic task's training set: timing at a shape whose weights are not at hand."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from gear.tasks import get_task
+
+    torch.manual_seed(args.seed)
+    config = AutoConfig.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    task = get_task("arithmetic")
+    return model, task.prepare_tokenizer(tokenizer), task.dataset("train", n=256, seed=args.seed)
 
 
 class _LogTap(TrainerCallback):
@@ -230,6 +288,19 @@ def main() -> None:
     )
     ap.add_argument("--name", default="step")
     ap.add_argument(
+        "--tie-share",
+        type=float,
+        default=None,
+        help="replace the task reward by gear.testing.tied_reward(S): a share S of the prompts "
+        "tie (advantage 0), the others' completions get varying rewards",
+    )
+    ap.add_argument(
+        "--random-init",
+        action="store_true",
+        help="--model is a directory with a config and tokenizer; initialise its weights at "
+        "random (timing only)",
+    )
+    ap.add_argument(
         "--teacher-engine",
         choices=("trainer", "vllm"),
         default="trainer",
@@ -255,8 +326,11 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     # loaded once: every arm and repeat starts from a copy of the same weights
-    cfg = resolve_values({"model": args.model, "train_size": 256, "seed": args.seed})
-    model0, tokenizer, dataset = load_model_and_data(cfg, get_task("arithmetic"))
+    if args.random_init:
+        model0, tokenizer, dataset = random_model_and_data(args)
+    else:
+        cfg = resolve_values({"model": args.model, "train_size": 256, "seed": args.seed})
+        model0, tokenizer, dataset = load_model_and_data(cfg, get_task("arithmetic"))
     rows: list[dict] = []
     for rep in range(args.repeats):
         order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
@@ -272,9 +346,11 @@ def main() -> None:
             rows += result
 
     measured = [r for r in rows if r["step"] > 1]
+    forward_per_1k = plain_forward_per_1k(model0, tokenizer, args)
     summary = []
     cols = [
         "wall_s",
+        "non_generation_s",
         "cpu_s",
         "generation_s",
         "teacher_prompts_s",
@@ -284,6 +360,8 @@ def main() -> None:
         "contrast_s",
         "credit_s",
         "rest_s",
+        "rows_skipped",
+        "teacher_tokens",
     ]
     for method in methods:
         mine = [r for r in measured if r["method"] == method]
@@ -298,6 +376,11 @@ def main() -> None:
     grpo, gear = by["grpo"], by["gear"]
     ratio = gear["wall_s"] / grpo["wall_s"]
     credit_share = gear["credit_s"] / gear["wall_s"]
+    non_generation_ratio = gear["non_generation_s"] / grpo["non_generation_s"]
+    skipped_share = gear["rows_skipped"] / args.completions
+    teacher_per_1k = (
+        gear["teacher_s"] / (gear["teacher_tokens"] / 1000) if gear["teacher_tokens"] else None
+    )
     print_table(
         summary,
         ["method", "steps", *cols],
@@ -310,6 +393,27 @@ def main() -> None:
     for r in measured:
         per_pair[(r["repeat"], r["step"])][r["method"]] = r["wall_s"]
     pair_ratios = [p["gear"] / p["grpo"] for p in per_pair.values() if {"gear", "grpo"} <= set(p)]
+    by_pair = defaultdict(dict)
+    for r in measured:
+        by_pair[(r["repeat"], r["step"])][r["method"]] = r
+    components = {  # GEAR / GRPO per paired step, by component
+        name: [
+            p["gear"][name] / p["grpo"][name]
+            for p in by_pair.values()
+            if {"gear", "grpo"} <= set(p) and p["grpo"][name] > 0
+        ]
+        for name in ("wall_s", "non_generation_s", "generation_s", "rest_s")
+    }
+    print(
+        f"GEAR / GRPO outside generation: {non_generation_ratio:.3f}   paired step ratios: "
+        f"median {statistics.median(pair_ratios):.3f} over {len(pair_ratios)}   rows skipped: "
+        f"{100 * skipped_share:.0f}%"
+    )
+    if teacher_per_1k is not None:
+        print(
+            f"teacher pass {teacher_per_1k:.4f} s per 1k teacher tokens; plain no-grad forward "
+            f"{forward_per_1k:.4f} s per 1k tokens: {teacher_per_1k / forward_per_1k:.2f}x"
+        )
     extra: dict[str, Any] = {}
     if "gear_unshared" in by:
         before = by["gear_unshared"]
@@ -352,9 +456,22 @@ def main() -> None:
         "ratio": ratio,
         "ratio_cpu": gear["cpu_s"] / grpo["cpu_s"],
         "paired_ratios": pair_ratios,
+        "median_paired_ratio": statistics.median(pair_ratios),
+        "non_generation_ratio": non_generation_ratio,
+        "paired_component_ratios": {
+            k: statistics.median(v) if v else None for k, v in components.items()
+        },
+        "rows_skipped_share": skipped_share,
+        "teacher_s_per_1k_tokens": teacher_per_1k,
+        "plain_forward_s_per_1k_tokens": forward_per_1k,
+        "teacher_over_forward_per_token": (
+            None if teacher_per_1k is None else teacher_per_1k / forward_per_1k
+        ),
         **extra,
         "credit_share": credit_share,
     }
+    if torch.cuda.is_available():
+        result["machine"]["gpu"] = torch.cuda.get_device_name()
     # beside the full fine-tuning figures of the same file: a LoRA run, a contrast run
     key = f"lora_r{args.lora}" if args.lora else None
     key = "teacher_context_contrast" if "gear_contrast" in methods else key

@@ -500,6 +500,8 @@ class GEARTrainer(GRPOTrainer):
         signals = self._teacher_signals(student_hidden, scored, output, valid)
         stats["gear/time_student"] = t1 - t0 if forward else 0.0
         stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
+        # the tokens the teacher pass read (its input rows, prompts included): its cost per token
+        stats["gear/teacher_tokens"] = 0.0 if teacher is None else float(teacher[1].sum())
         if contrast is not None:
             t3 = time.perf_counter()
             scored = self._teacher_pass(contrast[0], contrast[1], output, batch_size)
