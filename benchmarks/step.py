@@ -64,13 +64,10 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, machine, print_table, write_json
+from gear.run import checkpointing_field
 from gear.testing import tied_reward
 
-CHECKPOINTING = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-    else "gradient_checkpointing"
-)
+CHECKPOINTING = checkpointing_field(TrainingArguments)  # renamed in transformers 5.18
 GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "contrast", "credit")
 METHODS = ("grpo", "gear", "gear_unshared", "gear_contrast")
 

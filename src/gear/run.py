@@ -511,7 +511,6 @@ def run_precision(cfg: RunConfig) -> Any:
 # GEARConfig values of `gear train` where the config does not set them (besides output_dir, seed,
 # use_cpu and hint_kind, which come from the run)
 TRAINER_BASE: dict[str, Any] = dict(
-    activation_checkpointing=False,  # TRL's default is on: slower, and not needed on CPU
     report_to="none",
     logging_steps=1,
     save_strategy="steps",
@@ -519,6 +518,18 @@ TRAINER_BASE: dict[str, Any] = dict(
     save_total_limit=2,
     disable_tqdm=True,
 )
+
+
+def checkpointing_field(config_class: Any) -> str:
+    """The name of activation checkpointing's init field in `config_class` (a TrainingArguments):
+    transformers 5.18 renamed `gradient_checkpointing` to `activation_checkpointing`, and before
+    that the new name is no init field."""
+    names = {f.name for f in dataclasses.fields(config_class) if f.init}
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
 
 
 def trainer_args(
@@ -529,17 +540,19 @@ def trainer_args(
     from gear.integrations.trl import GEARConfig
 
     precision = precision or run_precision(cfg)
+    checkpointing = checkpointing_field(GEARConfig)
     base: dict[str, Any] = dict(
         output_dir=str(run_dir),
         seed=cfg.seed,
         use_cpu=_on_cpu(cfg),
         hint_kind=hint_kind,
         **TRAINER_BASE,
+        **{checkpointing: False},  # TRL's default is on: slower, and not needed on CPU
     )
     trainer = dict(cfg.trainer)
-    if "gradient_checkpointing" in trainer:  # transformers' deprecated alias: one name, no warning
-        old = trainer.pop("gradient_checkpointing")
-        trainer.setdefault("activation_checkpointing", old)
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        if name in trainer and name != checkpointing:  # one name, the one this version has
+            trainer.setdefault(checkpointing, trainer.pop(name))
     base.update(trainer)
     base["bf16"] = precision.bf16
     return GEARConfig(**base)
