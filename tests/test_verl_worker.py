@@ -267,3 +267,110 @@ def test_entropy_top_runs_no_teacher_forward_and_still_gets_the_entropy(model, m
     # per micro-batch (one row): the student's forward (verl's or ours), then one token
     assert widths[1::2] == [1] * len(prompts)
     assert widths[0::2] == [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+
+
+# ---------------------------------------------------------------- rows left unscored (tied)
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_unscored_rows_get_no_forward_and_zero_signals(model, remove_padding):
+    """`scored`: only those rows enter GEAR's student forward, the teacher and contrast
+    forwards and the kernel (their signals equal the oracle's); the others' are zeros; the
+    ranks' teacher forwards are still agreed by `sync` (here: two more asked for)."""
+    prompts, teachers, responses = rows(6, n=6)
+    p, r = [torch.tensor(x) for x in prompts], [torch.tensor(x) for x in responses]
+    t = [torch.tensor(x) for x in teachers]
+    scored = [True, False, False, True, True, False]
+    keep = [i for i, s in enumerate(scored) if s]
+    opts = TeacherPassOptions(temperature=0.7, chunk_size=3, micro_batch_size=2, contrast=True)
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        out = micro_batch_signals(
+            model, None, p, t, r, opts, remove_padding, sync=lambda n: n + 2,
+            contrast_prompts=t, scored=scored,
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    # 1 student forward (3 rows), 2 teacher groups + 2 dummies, the same for the contrast
+    assert len(seen) == 1 + 2 * (2 + 2) and seen.count(1) == 4
+    real = [n for n in seen if n > 1]
+    width = max(len(prompts[i]) + len(responses[i]) for i in keep)
+    assert real[0] == (
+        sum(len(prompts[i]) + len(responses[i]) for i in keep) if remove_padding else 3 * width
+    )
+    assert_oracle(
+        model,
+        {k: [out[k][i] for i in keep] for k in out},
+        [prompts[i] for i in keep],
+        [teachers[i] for i in keep],
+        [responses[i] for i in keep],
+        0.7,
+    )
+    for i, s in enumerate(scored):
+        for k in (*SIGNAL_FIELDS, "contrast_kl"):
+            assert out[k][i].shape == (len(responses[i]),)
+            assert bool(out[k][i].eq(0).all()) != s
+    with pytest.raises(ValueError, match="scored: expected 6 flags"):
+        micro_batch_signals(model, None, p, t, r, opts, remove_padding, scored=scored[:2])
+
+
+def test_a_micro_batch_with_no_scored_row_keeps_ranks_in_step(model):
+    """Every row tied: one-token forwards only (GEAR's student forward, as many teacher forwards
+    as the busiest rank runs); every signal is 0; and the student-only path (no teacher) too."""
+    prompts, teachers, responses = rows(7, n=3)
+    p, r = [torch.tensor(x) for x in prompts], [torch.tensor(x) for x in responses]
+    t = [torch.tensor(x) for x in teachers]
+    none = [False] * 3
+    with count_forwards(model) as calls:
+        out = micro_batch_signals(
+            model, None, p, t, r, TeacherPassOptions(), True, sync=lambda n: 2, scored=none
+        )
+    assert calls[0] == 1 + 2
+    assert all(
+        bool(v.eq(0).all()) and v.numel() == len(x) for v, x in zip(out["kl"], r, strict=True)
+    )
+    opts = TeacherPassOptions(teacher=False)
+    with count_forwards(model) as calls:
+        out = micro_batch_signals(model, None, p, None, r, opts, True, scored=none)
+    assert calls[0] == 2 and sorted(out) == ["entropy", "student_logprobs"]
+    assert all(bool(v.eq(0).all()) for v in out["entropy"])
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_worker_scores_only_the_rows_marked_scored(model, monkeypatch, dynamic):
+    """verl's old-log-prob pass with ``gear_scored``: verl's forward runs on every row (its old
+    log-probs), the teacher forward on the scored rows only, whose signals equal the oracle's
+    (the student's hidden states picked out of verl's capture); the others' are zeros."""
+    pytest.importorskip("verl")
+    from gear.integrations.verl import teacher_pass
+
+    prompts, teachers, responses = rows(8, n=6)
+    scored = torch.tensor([False, True, False, False, True, True])
+    td = batch(prompts, teachers, responses, True, dynamic, fused=True, mbs=3)
+    td["gear_scored"] = scored
+    teacher_rows = []
+    real = teacher_pass.teacher_signals
+
+    def counted(module, seqs, *a, **k):
+        teacher_rows.extend(s.tolist() for s in seqs)
+        return real(module, seqs, *a, **k)
+
+    monkeypatch.setattr(teacher_pass, "teacher_signals", counted)
+    with verl_on_cpu():
+        out = gear_worker(model, True, dynamic, max_token_len=24, mbs=3).compute_log_prob(td)
+    keep = scored.nonzero().squeeze(1).tolist()
+    assert sorted(teacher_rows) == sorted(teachers[i] + responses[i] for i in keep)
+    assert_oracle(
+        model,
+        {k: [out[k][i] for i in keep] for k in SIGNAL_FIELDS.values()},
+        [prompts[i] for i in keep],
+        [teachers[i] for i in keep],
+        [responses[i] for i in keep],
+        0.7,
+    )
+    for i in scored.logical_not().nonzero().squeeze(1).tolist():
+        assert all(bool(out[f][i].eq(0).all()) for f in SIGNAL_FIELDS.values())
+        assert out["log_probs"][i].numel() > 0  # verl's own pass ran on the row

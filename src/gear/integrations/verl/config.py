@@ -99,6 +99,18 @@ class GearVerlConfig:
         "GRPO: (r - mean) / (std + epsilon) (spec §1); algorithm.norm_adv_by_std_in_grpo applies.",
         Check(ge=0),
     )
+    skip_zero_advantage_rows: bool = checked(
+        True,
+        "Run the teacher and contrast forwards and the signal kernel only on the rows the credit "
+        "method reads: those with a non-zero sequence advantage, decided from verl's rewards "
+        "(rm_scores) and uids before the old-log-prob pass (a group whose completions all tied "
+        "has advantage 0, so its token advantages are 0 under any weights). Token advantages "
+        "are bit-identical either way; the credit statistics describe the scored rows and "
+        "gear/rows_skipped counts the others. Methods that read every row (gear_entropy_top) "
+        "and runs with algorithm.use_kl_in_reward (the reward then depends on the KL to the "
+        "reference, known after the pass) score every row. false: score every row.",
+        Check(test=lambda v: isinstance(v, bool), expect="true or false"),
+    )
     # no records unless asked: they go to verl's checkpoint directory and cost the driver a fetch
     credit_log_steps: int = setting("credit_log_steps", default=0)
     credit_log_rows: int = setting("credit_log_rows")
@@ -135,6 +147,7 @@ class GearVerlSettings:
     gear: GearVerlConfig
     params: CreditParams
     norm_adv_by_std: bool = True
+    kl_in_reward: bool = False  # algorithm.use_kl_in_reward: the reward changes after the pass
 
     @property
     def needs_signals(self) -> bool:
@@ -146,6 +159,18 @@ class GearVerlSettings:
         """Whether the method reads a teacher signal (KL, teacher log-probs): all but gear_grpo
         and gear_entropy_top, which reads the student's entropy alone."""
         return bool(set(self.params.required_signals) & set(TEACHER_SIGNALS))
+
+    @property
+    def skips_tied_rows(self) -> bool:
+        """Whether the pass scores only the rows with a non-zero sequence advantage: the
+        setting is on, the method reads signals of advantaged rows only
+        (`CreditParams.signal_rows`), and the reward is final before the pass (no KL in it)."""
+        return (
+            self.gear.skip_zero_advantage_rows
+            and self.needs_signals
+            and self.params.signal_rows == "advantaged"
+            and not self.kl_in_reward
+        )
 
 
 def _get(cfg: Any, path: str, default: Any = None) -> Any:
@@ -325,6 +350,7 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
         gear=g,
         params=params,
         norm_adv_by_std=bool(_get(cfg, "algorithm.norm_adv_by_std_in_grpo", True)),
+        kl_in_reward=bool(_get(cfg, "algorithm.use_kl_in_reward", False)),
     )
     if check_files and settings.needs_teacher:  # only the teacher hint reads the ground truth
         check_ground_truth_field(g.hint_field, train_files(cfg), g.hint_setting)

@@ -7,7 +7,8 @@ verl calls a registered estimator as ``fn(token_level_rewards=, response_mask=, 
 1. computes the GRPO sequence advantage per group, vectorised (`grpo_advantages`):
    (r - mean) / (std + epsilon), unbiased std, singleton groups get mean 0 and std 1 as in verl;
 2. turns it into per-token advantages with `gear.credit.credit_details` and the per-token signals
-   ``gear_kl``, ``gear_entropy``, ``gear_student_logprobs``, ``gear_teacher_logprobs``.
+   ``gear_kl``, ``gear_entropy``, ``gear_student_logprobs``, ``gear_teacher_logprobs``, of the
+   rows ``gear_scored`` marks (the rows the trainer found tied have advantage 0 and no signals).
 
 verl's stock ``compute_advantage`` passes only rewards, masks and uids, so the signals arrive
 either as keyword arguments (``gear_kl=...``) or from the `gear_batch` context that GEAR's trainer
@@ -57,6 +58,8 @@ class GearBatch:
         sessions: (N,) session label of each row, and `final` (N,) bool: verl's v1 agent loops can
             emit several outputs per rollout session; then only the final output of each session
             enters the group statistics and its advantage is shared by the session's rows.
+        scored: (N,) bool, the rows whose signals were computed (`skip_zero_advantage_rows`:
+            the others have a sequence advantage of 0 and zero signals), or None for all.
         details, scores, sequence_advantages: filled in by the estimator (for logging).
     """
 
@@ -67,6 +70,7 @@ class GearBatch:
     norm_adv_by_std: bool | None = None
     sessions: Sequence[Any] | None = None
     final: Tensor | None = None
+    scored: Tensor | None = None
     details: CreditDetails | None = None
     scores: Tensor | None = None
     sequence_advantages: Tensor | None = None
@@ -233,6 +237,11 @@ def gear_token_advantages(
         norm = bool(_config_get(config, "norm_adv_by_std_in_grpo", True))
     sessions = kwargs.get("gear_sessions", ctx.sessions if ctx is not None else None)
     final = kwargs.get("gear_final", ctx.final if ctx is not None else None)
+    scored = kwargs.get("gear_scored", ctx.scored if ctx is not None else None)
+    if scored is not None and tuple(scored.shape) != shape[:1]:
+        raise ValueError(
+            f"gear_scored: expected one flag per row, shape {shape[:1]}, got {tuple(scored.shape)}"
+        )
 
     scores = token_level_rewards.sum(dim=-1)
     seq_adv = grpo_advantages(
@@ -243,6 +252,12 @@ def gear_token_advantages(
         final=final,
         sessions=sessions,
     ).to(mask.device)
+    if scored is not None and bool((seq_adv[~scored.to(seq_adv.device).bool()] != 0).any()):
+        raise ValueError(
+            "gear_scored: a row GEAR's trainer found tied before the old-log-prob pass (sequence "
+            "advantage 0, no teacher pass) has a non-zero advantage here: the rewards changed "
+            "after that pass; set gear.skip_zero_advantage_rows=false"
+        )
     details = credit_details(
         seq_adv,
         mask,
@@ -252,6 +267,7 @@ def gear_token_advantages(
         teacher_logprobs=signals["teacher_logprobs"],
         contrast_kl=signals["contrast_kl"],
         params=params,
+        scored=None if scored is None else scored.to(mask.device).bool(),
     )
     adv = details.token_advantages.to(torch.float32)
     if ctx is not None:

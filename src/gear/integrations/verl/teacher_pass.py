@@ -319,6 +319,7 @@ def micro_batch_signals(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     sync: Callable[[int], int] = lambda n: n,
     contrast_prompts: Sequence[Tensor] | None = None,
+    scored: Sequence[bool] | Tensor | None = None,
 ) -> dict[str, list[Tensor]]:
     """Signals of one micro-batch of rows, each a list of (R_i,) float32 tensors on CPU.
 
@@ -335,12 +336,25 @@ def micro_batch_signals(
             data-parallel ranks); the extra forwards are one-token dummies.
         contrast_prompts: per row, the contrast teacher's prompt ids (a wrong answer), or None:
             a second teacher pass like the first, of which only the KL is kept.
+        scored: (n,) bool, the rows whose signals the credit method reads (the others have a
+            sequence advantage of 0: `skip_zero_advantage_rows`), or None for all. Only those
+            rows enter the teacher and contrast forwards (and our own student forward), and
+            the kernel; the others' signals are zeros. `sync` still sees every rank's count.
     Returns:
         {"kl", "entropy", "student_logprobs", "teacher_logprobs"} -> list of (R_i,) tensors,
         plus "contrast_kl" given contrast prompts; {"entropy", "student_logprobs"} without
         teacher prompts.
     """
     n = len(responses)
+    if scored is not None:
+        if len(scored) != n:
+            raise ValueError(f"scored: expected {n} flags (one per row), got {len(scored)}")
+        keep = [i for i, s in enumerate(torch.as_tensor(scored, dtype=torch.bool).tolist()) if s]
+        if len(keep) < n:
+            return _scored_rows_only(
+                keep, module, student_hidden, prompts, teacher_prompts, responses, options,
+                remove_padding, device, autocast, sync, contrast_prompts,
+            )  # fmt: skip
     n_teacher = n if teacher_prompts is None else len(teacher_prompts)
     if not len(prompts) == n_teacher == n:
         raise ValueError(
@@ -384,6 +398,58 @@ def micro_batch_signals(
                 f"teacher pass: expected {n} contrast teacher prompts, got {len(contrast_prompts)}"
             )
         out["contrast_kl"] = rows_of(contrast_prompts)["kl"]
+    return out
+
+
+def _scored_rows_only(
+    keep: list[int],
+    module: nn.Module,
+    student_hidden: Tensor | None,
+    prompts: Sequence[Tensor],
+    teacher_prompts: Sequence[Tensor] | None,
+    responses: Sequence[Tensor],
+    options: TeacherPassOptions,
+    remove_padding: bool,
+    device: torch.device | str,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    sync: Callable[[int], int],
+    contrast_prompts: Sequence[Tensor] | None,
+) -> dict[str, list[Tensor]]:
+    """`micro_batch_signals` of the rows `keep` alone (the student's hidden states of those rows
+    picked out of verl's), placed among zeros for the other rows."""
+    r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+    if student_hidden is not None:
+        if student_hidden.shape[0] != int(r_len.sum()):
+            raise ValueError(
+                f"student_hidden: expected {int(r_len.sum())} rows (one per response token), "
+                f"got {tuple(student_hidden.shape)}"
+            )
+        offsets = (torch.cumsum(r_len, 0) - r_len).tolist()
+        index = torch.cat(
+            [torch.arange(offsets[i], offsets[i] + int(r_len[i])) for i in keep]
+            or [torch.zeros(0, dtype=torch.long)]
+        )
+        student_hidden = student_hidden.index_select(0, index.to(student_hidden.device))
+
+    def pick(rows: Sequence[Tensor] | None) -> list[Tensor] | None:
+        return None if rows is None else [rows[i] for i in keep]
+
+    part = micro_batch_signals(
+        module, student_hidden, pick(prompts), pick(teacher_prompts), pick(responses), options,
+        remove_padding, device, autocast, sync, pick(contrast_prompts),
+    )  # fmt: skip
+    names = (
+        ["entropy", "student_logprobs"]
+        if teacher_prompts is None
+        else [
+            *TokenSignals.__dataclass_fields__,
+            *(["contrast_kl"] if contrast_prompts is not None else []),
+        ]
+    )
+    out = {k: [torch.zeros(int(r)) for r in r_len.tolist()] for k in names}
+    for j, i in enumerate(keep):
+        for k in names:
+            out[k][i] = part[k][j]
     return out
 
 

@@ -9,8 +9,11 @@ are unchanged) with four small, documented overrides:
 - ``_init_resource_pool_mgr``: the actor role runs `GearActorRolloutRefWorker` instead of verl's
   `ActorRolloutRefWorker` (its ``compute_log_prob`` can run the teacher pass, plus
   ``compute_gear_signals``).
-- ``_compute_old_log_prob``: builds each row's teacher prompt (prompt + hint with the ground
-  truth, same renderer, same tools), then runs verl's pass with ``gear_signals=True``: the actor
+- ``_compute_old_log_prob``: marks the rows whose GRPO sequence advantage is 0 (a tied group,
+  from verl's rewards and uids, final before this pass) as ``gear_scored`` = False: no teacher
+  work is done on them (``gear.skip_zero_advantage_rows``); builds each row's teacher prompt
+  (prompt + hint with the ground truth, same renderer, same tools), then runs verl's pass with
+  ``gear_signals=True``: the actor
   workers capture the final hidden states of verl's own student forwards and run one teacher
   forward per micro-batch (rollout correction's bypass mode, where verl runs no forward:
   ``compute_gear_signals``, one student forward of GEAR's). The signals land in the batch as
@@ -20,8 +23,9 @@ are unchanged) with four small, documented overrides:
 - ``_compute_advantage``: opens a `gear_batch` context with those signals (padded exactly like
   the batch verl builds) around verl's own ``_compute_advantage``, whose estimator call then finds
   them (rows without a hint, marked by ``gear_has_hint``, get NaN teacher signals: weight 1,
-  counted in ``gear/fallback_rows``, spec §4); logs the spec §5 statistics and, when due, writes
-  a credit record.
+  counted in ``gear/fallback_rows``, spec §4) and the rows scored; logs the spec §5 statistics
+  (over the scored rows; ``gear/rows_skipped`` counts the others, verl's padding rows aside)
+  and, when due, writes a credit record (skipped rows marked).
 
 Tool observation tokens (``response_mask`` = 0 in verl's agent loop) are part of both forwards
 (the teacher scores exactly the rollout's tokens) and excluded from every statistic and weight by
@@ -57,7 +61,13 @@ from gear.integrations.verl.config import (
     train_files,
     validate_verl_config,
 )
-from gear.integrations.verl.estimators import OUTPUT_FIELDS, SIGNAL_FIELDS, GearBatch, gear_batch
+from gear.integrations.verl.estimators import (
+    OUTPUT_FIELDS,
+    SIGNAL_FIELDS,
+    GearBatch,
+    gear_batch,
+    grpo_advantages,
+)
 from gear.integrations.verl.teacher_inputs import TOOL_AGENT, as_messages, build_teacher_prompts
 from gear.integrations.verl.teacher_pass import FUSED_KEY, _rows, nested
 from gear.teacher import check_wrong_answers, offset_answer, wrong_answers
@@ -68,6 +78,8 @@ TEACHER_PROMPTS_FIELD = "gear_teacher_prompts"
 CONTRAST_PROMPTS_FIELD = "gear_contrast_prompts"
 #: (N,) bool, False for rows whose teacher prompt has no hint (no ground truth, or padding)
 HAS_HINT_FIELD = "gear_has_hint"
+#: (N,) bool, the rows the pass scores: a non-zero sequence advantage (skip_zero_advantage_rows)
+SCORED_FIELD = "gear_scored"
 #: what GEAR's own student + teacher pass reads (verl's bypass mode)
 GEAR_INPUT_FIELDS = (
     "input_ids",
@@ -93,6 +105,11 @@ def _non_tensor(td: Any, key: str, n: int) -> list[Any]:
     if isinstance(value, np.ndarray):
         value = value.tolist()
     return list(value)
+
+
+def _tags(batch: Any) -> list[dict]:
+    """Each row's tag (verl marks its padding rows ``is_padding``); {} where the batch has none."""
+    return list(batch.tags) if batch.tags else [{}] * len(batch.keys)
 
 
 def session_info(keys: list[str]) -> tuple[list[str], torch.Tensor]:
@@ -164,7 +181,10 @@ class GearPPOTrainer(PPOTrainerSync):
         if not self.gear_settings.needs_signals:
             return super()._compute_old_log_prob(batch, metrics)
         teacher = self.gear_settings.needs_teacher  # entropy_top: the student's signals alone
-        if teacher:
+        skip = self.gear_settings.skips_tied_rows
+        if skip:  # rows whose advantage is 0 whatever the signals: no teacher work on them
+            self._put_scored_rows(batch, metrics)
+        if teacher:  # every row's (the contrast's wrong answers are drawn in row order)
             self._put_teacher_prompts(batch, metrics)
         options = self._gear_pass_options(teacher)
         t0 = time.perf_counter()
@@ -176,7 +196,8 @@ class GearPPOTrainer(PPOTrainerSync):
             meta = dataclasses.replace(
                 batch,
                 fields=[f for f in GEAR_INPUT_FIELDS if teacher or f != TEACHER_PROMPTS_FIELD]
-                + ([CONTRAST_PROMPTS_FIELD] if contrast else []),
+                + ([CONTRAST_PROMPTS_FIELD] if contrast else [])
+                + ([SCORED_FIELD] if skip else []),
                 extra_info={**(batch.extra_info or {}), **options},
             )
             self.actor_rollout_wg.compute_gear_signals(meta)
@@ -197,6 +218,53 @@ class GearPPOTrainer(PPOTrainerSync):
             # one pass: verl's old log-probs with GEAR's teacher forwards interleaved
             metrics["timing_s/gear_old_log_prob_and_teacher_pass"] = time.perf_counter() - t0
         return batch
+
+    def _put_scored_rows(self, batch: Any, metrics: dict) -> None:
+        """Decide which rows the pass scores and put it into the batch as ``gear_scored``: those
+        whose GRPO sequence advantage is not 0. verl's rewards are final here: ``rm_scores`` is
+        written at sampling time (its reward loop) or by its colocated reward step, both before
+        the old-log-prob pass; later only ``algorithm.use_kl_in_reward`` changes the reward
+        (then every row is scored: `skips_tied_rows`), while rollout correction changes the
+        response mask only. The advantage is computed as GEAR's estimator will compute it, on
+        the same inputs (`_sequence_advantages`), so the rows of a tied group (every completion
+        of the prompt scored alike; a session's rows share its final output's advantage) and
+        verl's padding rows (reward 0, a group of their own) are skipped, and no row with a
+        non-zero advantage is (the estimator checks it)."""
+        t0 = time.perf_counter()
+        data = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=["uid", "rm_scores"]
+        )
+        uids = _non_tensor(data, "uid", len(batch.keys))
+        scored = self._sequence_advantages(data["rm_scores"], uids, batch) != 0
+        tq.kv_batch_put(
+            keys=batch.keys,
+            partition_id=batch.partition_id,
+            fields=TensorDict({SCORED_FIELD: scored}, batch_size=[len(batch.keys)]),
+        )
+        metrics["timing_s/gear_scored_rows"] = time.perf_counter() - t0
+
+    def _sequence_advantages(self, rm_scores: torch.Tensor, uids: list[Any], batch: Any) -> Any:
+        """(N,) the GRPO sequence advantages GEAR's estimator computes from verl's batch: the
+        (N, R) rewards padded as verl pads them (its ``token_level_rewards`` without a KL
+        penalty), summed per row, grouped by uid and session (`grpo_advantages`)."""
+        rewards = rm_scores.to_padded_tensor(0.0) if rm_scores.is_nested else rm_scores
+        sessions, final = self._sessions(batch)
+        s = self.gear_settings
+        return grpo_advantages(
+            rewards.sum(dim=-1),
+            uids,
+            epsilon=s.gear.grpo_epsilon,
+            norm_adv_by_std=s.norm_adv_by_std,
+            final=final,
+            sessions=sessions,
+        )
+
+    @staticmethod
+    def _sessions(batch: Any) -> tuple[list[str] | None, torch.Tensor | None]:
+        """The rows' sessions and final-output flags (`session_info`), None when every row is
+        its session's final output."""
+        sessions, final = session_info(list(batch.keys))
+        return (None, None) if bool(final.all()) else (sessions, final)
 
     def _gear_renderer(self) -> Any:
         """(messages, tools) -> prompt ids, through the renderer verl's agent loops use."""
@@ -364,6 +432,7 @@ class GearPPOTrainer(PPOTrainerSync):
                 "response_mask",
                 *needed,
                 *([HAS_HINT_FIELD] if s.needs_teacher else []),
+                *([SCORED_FIELD] if s.skips_tied_rows else []),
             ],
         )
         padded = data.to_padded_tensor()  # the same padding verl applies to the batch it builds
@@ -376,15 +445,16 @@ class GearPPOTrainer(PPOTrainerSync):
             )
             has_teacher = padded[HAS_HINT_FIELD].bool().reshape(-1).cpu() | padding
             signals = without_teacher(signals, has_teacher.to(padded["response_mask"].device))
-        sessions, final = session_info(list(batch.keys))
+        sessions, final = self._sessions(batch)
         return GearBatch(
             signals={OUTPUT_FIELDS[name]: v for name, v in signals.items()},
             response_mask=padded["response_mask"].bool(),
             params=self._batch_credit_params(),
             epsilon=s.gear.grpo_epsilon,
             norm_adv_by_std=s.norm_adv_by_std,
-            sessions=sessions if not bool(final.all()) else None,
-            final=final if not bool(final.all()) else None,
+            sessions=sessions,
+            final=final,
+            scored=padded[SCORED_FIELD].bool().reshape(-1) if s.skips_tied_rows else None,
         )
 
     def _required_signals(self) -> tuple[str, ...]:
@@ -408,6 +478,10 @@ class GearPPOTrainer(PPOTrainerSync):
                 "estimator; check that the gear estimators are registered (gear.integrations.verl.plugin)"
             )
         metrics.update(ctx.details.stats)
+        if ctx.details.skipped_rows is not None:  # the batch's rows, not verl's padding rows
+            padding = torch.tensor([bool(t.get("is_padding", False)) for t in _tags(rows)])
+            skipped = ctx.details.skipped_rows.cpu() & ~padding
+            metrics["gear/rows_skipped"] = float(skipped.sum())
         metrics["timing_s/gear_credit"] = time.perf_counter() - t0
         self._maybe_write_credit_record(rows, ctx)
         return batch

@@ -17,6 +17,11 @@ With ``gear_contrast=True`` (``teacher_context: contrast``) the rows also carry
 ``gear_contrast_prompts`` (each row's prompt with a wrong answer) and a second group of teacher
 forwards follows the first in each micro-batch; its KL lands as ``gear_contrast_kl``.
 
+Rows the trainer marks unscored (``gear_scored`` False: their sequence advantage is 0, every
+completion of the prompt tied, `skip_zero_advantage_rows`) get no teacher or contrast forward,
+none of our student forwards and no signal kernel; their signals are written as zeros. The
+number of teacher forwards is still agreed across data-parallel ranks (one-token dummies).
+
 A method that reads no teacher signal (``gear_entropy_top``) sends ``gear_teacher=False`` and no
 teacher prompts: no teacher forward runs, and only ``gear_entropy`` and ``gear_student_logprobs``
 are written.
@@ -63,6 +68,8 @@ OPTION_KEYS = {
 INPUT_FIELDS = ("input_ids", "prompts", "responses")
 TEACHER_FIELD = "gear_teacher_prompts"  # with options.teacher only
 CONTRAST_FIELD = "gear_contrast_prompts"  # with options.contrast only
+#: (N,) bool, the rows the credit method reads (absent: every row); the trainer's tie decision
+SCORED_FIELD = "gear_scored"
 
 
 def _get(data: Any, key: str, default: Any = None) -> Any:
@@ -155,6 +162,9 @@ def gear_micro_batches(
         seqs, responses = _rows(ids), _rows(micro_batch["responses"])
         teacher_prompts = _rows(micro_batch[TEACHER_FIELD]) if options.teacher else None
         contrast_prompts = _rows(micro_batch[CONTRAST_FIELD]) if options.contrast else None
+        scored = (
+            micro_batch[SCORED_FIELD].reshape(-1).bool() if SCORED_FIELD in micro_batch else None
+        )
         r_len = torch.tensor([r.numel() for r in responses], dtype=torch.long)
         prompts = [s[: s.numel() - r.numel()] for s, r in zip(seqs, responses, strict=True)]
         if student_from_verl:
@@ -189,6 +199,7 @@ def gear_micro_batches(
             autocast=autocast,
             sync=sync,
             contrast_prompts=contrast_prompts,
+            scored=scored,
         )
         if responses:
             for name, values in signals.items():  # without a teacher: entropy, log-probs
