@@ -329,10 +329,10 @@ def test_under_git_a_rule_committed_first_lets_the_winner_stand(tmp_path):
 def test_the_gate_fails_without_a_trend_when_a_run_has_one_step():
     from gear.evidence import learning_gate
 
-    gate = learning_gate([0.3, 0.3], [0.6, 0.7], [[0.2, 0.4], [0.5]], min_seeds=2)
+    gate = learning_gate([0.3] * 3, [0.6, 0.7, 0.65], [[0.2, 0.4], [0.5], [0.1, 0.3]], min_seeds=2)
     assert gate["checks"] == {
         "n >= 2": True,
         "paired interval above 0": True,
         "training reward trend > 0": False,
     }
-    assert not gate["passed"] and gate["reward_slope"]["n"] == 1
+    assert not gate["passed"] and gate["reward_slope"]["n"] == 2
