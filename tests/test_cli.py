@@ -291,6 +291,10 @@ def test_compare_trains_methods_x_seeds_and_writes_the_report(tiny_dir, tmp_path
     more = runner.invoke(app, [*args, "--seeds", "2"])
     assert more.exit_code == 2 and "--amend-rule" in " ".join(more.output.split())
     assert not (out / "grpo-seed2").exists()
+    bad = runner.invoke(app, ["compare", "--methods", "grpo", "--methods", "magic", "--out",
+                              str(tmp_path / "bad")])  # fmt: skip
+    assert bad.exit_code == 2 and "CreditParams.method" in bad.output
+    assert not (tmp_path / "bad").exists()  # refused before the rule or any run
     plan = runner.invoke(app, ["compare", "--plan", "--effect", "0.5", "--out", str(out)])
     assert plan.exit_code == 0, plan.output
     assert "gear: 2 pairs" in plan.output

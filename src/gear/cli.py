@@ -475,11 +475,14 @@ def compare(
     base = _overrides(set_, **named)
     try:
         first = resolve_config(config, {**base, "credit_method": baseline, "seed": seeds[0]})
+        for method in methods:  # every arm's config checked before anything is written
+            cfg = resolve_config(config, {**base, "credit_method": method, "seed": seeds[0]})
+            study.check_config(cfg, out / study.run_name(method, seeds[0]))
         rule = study.make_rule(
             methods, baseline, seeds, first, config=config, overrides=base, effect=effect
         )
         rule_hash = study.fix_rule(out, rule, amend=amend_rule)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         _fail(str(e))
     for method in methods:
         for seed in seeds:

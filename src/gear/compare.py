@@ -61,6 +61,18 @@ def metric_of(cfg: Any) -> tuple[str, str]:
     )
 
 
+def check_config(cfg: Any, run_dir: Path) -> None:
+    """What `gear train` checks of a run's config before it loads a model (the task, the
+    precision, the trainer's fields, LoRA), for every arm before the study's first run; writes
+    nothing. A ValueError (or NotImplementedError) names what is wrong."""
+    from gear.run import lora_config, run_precision, trainer_args
+    from gear.tasks import get_task
+
+    task = get_task(cfg.task, **cfg.task_options)
+    trainer_args(cfg, Path(run_dir), hint_kind=task.hint_kind, precision=run_precision(cfg))
+    lora_config(cfg)
+
+
 def make_rule(
     methods: Sequence[str],
     baseline: str,
