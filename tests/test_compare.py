@@ -142,6 +142,15 @@ def test_plan_needs_the_seeds_of_a_paired_t_test_with_80_percent_power():
     assert p["candidates"]["gear"]["seeds"] == n_for_power(0.05, sd, 0.05 / 2)
     assert p["candidates"]["rlsd"]["seeds"] == 2  # no spread at all: 2 pairs show any gain
     assert p["seeds"] == p["candidates"]["gear"]["seeds"]
+    gain = paired(BASE[:3], [BEFORE] * 3)
+    assert p["gate"]["seeds"] == n_for_power(gain["mean"], gain["sd"], 0.05) < p["seeds"]
+    # a baseline that did not gain in the pilot: no study can be planned yet
+    flat = {"grpo": arm([0.29, 0.30, 0.28]), "gear": arm([0.31, 0.33, 0.30])}
+    assert seeds_to_plan(flat, "grpo", 0.05)["seeds"] is None
+    # a baseline that gained, unevenly: the gate needs more seeds than the comparison
+    uneven = {"grpo": arm([0.65, 0.31, 0.60]), "gear": arm([0.66, 0.32, 0.61])}
+    p = seeds_to_plan(uneven, "grpo", 0.05)
+    assert p["candidates"]["gear"]["seeds"] == 2 and p["seeds"] == p["gate"]["seeds"] > 2
     # twice the effect needs fewer seeds
     assert seeds_to_plan(runs, "grpo", 0.1)["seeds"] < p["seeds"]
     with pytest.raises(ValueError, match="a gain above 0"):

@@ -391,6 +391,18 @@ def plan_text(p: Mapping[str, Any]) -> str:
             "more than 999" if c["pairs"] >= 2 else "unknown (fewer than 2 pairs)"
         )  # fmt: skip
         lines.append(f"  {arm}: {c['pairs']} pairs, SD of the differences {sd}: {need} seeds")
+    gate = p["gate"]
+    if gate["seeds"] is not None:
+        lines.append(
+            f"  the learning gate ({p['baseline']} after - before {gate['mean']:+.3f}, SD "
+            f"{gate['sd']:.4f} over {gate['pairs']} seeds): {gate['seeds']} seeds for its 95% "
+            "interval to clear 0"
+        )
+    else:
+        lines.append(
+            f"  the learning gate: unknown ({p['baseline']} gained nothing in the pilot, or "
+            "fewer than 2 seeds): a study cannot be planned before the baseline learns"
+        )
     if p["seeds"] is not None:
         lines.append(
             f"needed: {p['seeds']} seeds (an SD from a few pairs is rough: plan with margin). "
@@ -483,6 +495,8 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"{base} (95%) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if not g["passed"]:
+        lines[-2:-2] = ["The gate failed: these differences decide nothing (for the record).", ""]
     per_seed = result["per_seed"]
 
     def mean_after(arm: str) -> str:
@@ -503,15 +517,17 @@ def markdown(result: Mapping[str, Any]) -> str:
         "",
         "## 3. Stability",
         "",
-        "| arm | seeds | before (mean) | worst seed after | seeds ending below their before |",
-        "|---|---|---|---|---|",
+        "| arm | seeds | before (mean) | after, per seed | worst seed | seeds ending below "
+        "their before |",
+        "|---|---|---|---|---|---|",
     ]
     for arm, st in result["stability"].items():
         rs = per_seed[arm]
         before = f"{sum(r['before'] for r in rs) / len(rs):.3f}" if rs else "—"
         worst = f"{st['worst']:.3f} (seed {st['worst_seed']})" if rs else "—"
+        afters = ", ".join(f"{r['after']:.3f}" for r in rs) or "—"
         lines.append(
-            f"| {arm} | {[r['seed'] for r in rs]} | {before} | {worst} | "
+            f"| {arm} | {[r['seed'] for r in rs]} | {before} | {afters} | {worst} | "
             f"{st['below_before'] or 'none'} |"
         )
     m = result["machine"]

@@ -171,9 +171,11 @@ def seeds_to_plan(
 ) -> dict[str, Any]:
     """Seeds a study needs to detect a gain of `effect` at 80% power (two-sided paired t-test at
     alpha/k, k the candidates), from the SD of each candidate - baseline over the finished
-    pairs in `runs` (a pilot). Returns {"effect", "alpha", "level", "candidates" (arm ->
-    "pairs", "sd", "seeds"), "seeds" (the most any candidate needs; None where one cannot be
-    told: fewer than 2 pairs, or more than 999 seeds)}."""
+    pairs in `runs` (a pilot), and for the learning gate to pass with 80% power if the
+    baseline learns as much as in the pilot (its after - before at 95%). Returns {"effect",
+    "alpha", "level", "candidates" (arm -> "pairs", "sd", "seeds"), "gate" ("pairs", "mean",
+    "sd", "seeds"), "seeds" (the most any of them needs; None where one cannot be told: fewer
+    than 2 pairs, a baseline that did not gain, or more than 999 seeds)}."""
     if effect <= 0:
         raise ValueError(f"seeds_to_plan: the effect is a gain above 0, got {effect}")
     candidates = [a for a in (candidates or runs) if a != baseline]
@@ -189,14 +191,23 @@ def seeds_to_plan(
         elif d["n"] >= 2:  # identical differences: 2 pairs show any gain
             seeds = 2
         out[arm] = {"pairs": d["n"], "sd": sd, "mean": d["mean"], "seeds": seeds}
-    needed = [c["seeds"] for c in out.values()]
+    # the gate too must pass: the baseline's after - before, at the gate's 95%, powered for
+    # the gain the pilot saw (none where it saw no gain)
+    base = runs.get(baseline, [])
+    g = paired([r["after"][metric] for r in base], [r["before"][metric] for r in base])
+    gate_seeds = None
+    if g["n"] >= 2 and g["mean"] > 0:
+        gate_seeds = n_for_power(g["mean"], g["sd"], 0.05, POWER) if g["sd"] > 0 else 2
+    gate = {"pairs": g["n"], "mean": g["mean"], "sd": g["sd"], "seeds": gate_seeds}
+    needed = [c["seeds"] for c in out.values()] + [gate_seeds]
     return {
         "effect": effect,
         "alpha": alpha,
         "level": bonferroni(k, alpha),
         "power": POWER,
         "candidates": out,
-        "seeds": max(needed) if needed and None not in needed else None,
+        "gate": gate,
+        "seeds": max(needed) if None not in needed else None,
     }
 
 
