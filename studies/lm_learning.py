@@ -611,69 +611,41 @@ def primary(r: dict) -> float:
 def analyse(
     runs: dict[str, list[dict]], gate_runs: list[dict] | None = None, alpha: float = 0.05
 ) -> dict[str, Any]:
-    """The rule's analysis of `runs` (arm -> records of seeds 0..n-1, same n, paired by seed).
-    The gate reads `gate_runs` (every grpo run of the grid's seeds; default the compared ones):
-    it asks whether the baseline recipe learns, which does not depend on the rounds compared.
+    """The rule's analysis of `runs` (arm -> records of seeds 0..n-1, same n, paired by seed),
+    through the analysis `gear compare` shares (`gear.evidence.compare_arms`). The gate reads
+    `gate_runs` (every grpo run of the grid's seeds; default the compared ones): it asks
+    whether the baseline recipe learns, which does not depend on the rounds compared.
 
     Returns {"gate", "comparisons" (candidate -> Bonferroni and 95% paired intervals vs the
     baseline, power at EFFECT), "stability", "beats_baseline", "winner"}."""
-    from gear.evidence import learning_gate, mde, paired, power_at, slope, t_interval
+    from gear.evidence import compare_arms
 
-    base = runs[BASELINE]
-    n = len(base)
-    gate_runs = gate_runs or base
-    gate = learning_gate(
-        [r["before"]["mean_reward"] for r in gate_runs],
-        [primary(r) for r in gate_runs],
-        [r["reward"] for r in gate_runs],
-        seeds=[r["seed"] for r in gate_runs],
-        metric="held-out mean reward (8 samples per problem at T=0.7, 200 problems)",
+    shared = compare_arms(
+        runs,
+        BASELINE,
+        alpha=alpha,
+        effect=EFFECT,
+        gate_runs=gate_runs or runs[BASELINE],
+        metric_label="held-out mean reward (8 samples per problem at T=0.7, 200 problems)",
     )
-    level = 1 - alpha / len(CANDIDATES)
-    stability = {
-        arm: {
-            "worst_seed": min(rs, key=primary)["seed"],
-            "worst": min(map(primary, rs)),
-            "below_before": [r["seed"] for r in rs if primary(r) < r["before"]["mean_reward"]],
-        }
-        for arm, rs in runs.items()
-    }
-    comparisons = {}
-    for arm in CANDIDATES:
-        a, b = [primary(r) for r in runs[arm]], [primary(r) for r in base]
-        d = paired(a, b, level)
-        comparisons[arm] = {
-            "bonferroni": d,
-            "ci95": paired(a, b)["ci"],
-            "level": level,
-            "power_at_effect": power_at(EFFECT, d["sd"], n, alpha / len(CANDIDATES)),
-            "mde": mde(d["sd"], n, alpha / len(CANDIDATES)),  # 80% power at the observed SD
-            "greedy": paired(
-                [r["after"]["pass@1"] for r in runs[arm]], [r["after"]["pass@1"] for r in base]
-            ),
-        }
-    beats = [
-        arm
-        for arm, c in comparisons.items()
-        if gate["passed"] and c["bonferroni"]["ci"][0] > 0 and not stability[arm]["below_before"]
-    ]
+    comparisons = shared["comparisons"]
+    beats = [a for a in comparisons if a in shared["beats_baseline"]]  # the arms' order
     winner = None
     if beats:
         best = max(comparisons[a]["bonferroni"]["mean"] for a in beats)
         near = [a for a in beats if comparisons[a]["bonferroni"]["mean"] >= best - 0.01]
         winner = min(near, key=lambda a: seconds_per_step(runs[a]))
+    gate = shared["gate"]
     return {
         "gate": gate,
         "comparisons": comparisons,
-        "stability": stability,
+        "stability": shared["stability"],
         "beats_baseline": beats,
         "winner": winner,
         # the rule's step 5 (only where the gate lets arms be compared)
         "grpo_beats_gear": gate["passed"] and comparisons["gear"]["bonferroni"]["ci"][1] < 0,
         # secondary: each arm's training-reward slope per step (95% over seeds)
-        "reward_slope": {
-            arm: t_interval([slope(r["reward"]) for r in rs]) for arm, rs in runs.items()
-        },
+        "reward_slope": shared["reward_slope"],
     }
 
 

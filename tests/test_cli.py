@@ -258,33 +258,46 @@ def test_eval_says_when_the_split_has_fewer_problems_than_asked(run_dir, tmp_pat
     assert "has 2 problems" in " ".join(result.output.split())
 
 
-def test_compare_trains_every_method_and_seed_and_writes_a_table(tiny_dir, tmp_path):
+def test_compare_trains_methods_x_seeds_and_writes_the_report(tiny_dir, tmp_path):
+    """2 methods x 2 seeds of 2 steps on the tiny model: the rule first, every run under its
+    hash, the report (compare.json, compare.md, compare.png) from the shared analysis; a rerun
+    resumes (skips what is done); a changed rule is refused; --plan reads the pairs."""
     out = tmp_path / "study"
-    args = [
-        "compare",
-        "--methods",
-        "grpo",
-        "--methods",
-        "gear",
-        "--seeds",
-        "0",
-        "--steps",
-        "1",
-        "--out",
-        str(out),
-        "--set",
-        f"model={tiny_dir}",
-        *TINY,
-    ]
+    args = ["compare", "--methods", "grpo", "--methods", "gear", "--seeds", "0", "--seeds", "1",
+            "--steps", "2", "--out", str(out), "--set", f"model={tiny_dir}", *TINY,
+            "--set", "save_steps=2", "--set", "eval_samples=2"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    table = json.loads((out / "compare.json").read_text())
-    assert [r["method"] for r in table["rows"]] == ["grpo", "gear"]
-    assert all(r["runs"] == 1 for r in table["rows"])
-    assert (out / "learning_curve_accuracy.png").is_file()
-    # a second invocation finds the runs done and only rewrites the table
+    rule = json.loads((out / "rule.json").read_text())
+    assert rule["arms"] == ["grpo", "gear"] and rule["baseline"] == "grpo"
+    assert rule["seeds"] == [0, 1] and rule["metric"] == "mean_reward"  # the default recipe's
+    report = json.loads((out / "compare.json").read_text())
+    assert report["rule_unchanged"] and report["missing"] == {}
+    assert [r["seed"] for r in report["per_seed"]["gear"]] == [0, 1]
+    assert report["comparisons"]["gear"]["seeds"] == [0, 1]
+    assert report["gate"]["seeds"] == [0, 1] and report["verdict"]
+    for run in ("grpo-seed0", "grpo-seed1", "gear-seed0", "gear-seed1"):
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert "mean_reward" in summary["eval_after"]
+        assert (out / run / "rule.sha256").read_text().strip() == report["rule_sha256"]
+    md = (out / "compare.md").read_text()
+    assert f"**Verdict:** {report['verdict']}." in md and "## 1. Learning gate" in md
+    assert (out / "compare.png").stat().st_size > 10_000
+    assert "verdict:" in result.output
+    # a second invocation finds the runs done and only rewrites the report
     again = runner.invoke(app, args)
-    assert again.exit_code == 0 and again.output.count("skipped") == 2
+    assert again.exit_code == 0 and again.output.count("skipped") == 4
+    # another rule for the begun study is refused before any work
+    more = runner.invoke(app, [*args, "--seeds", "2"])
+    assert more.exit_code == 2 and "--amend-rule" in " ".join(more.output.split())
+    assert not (out / "grpo-seed2").exists()
+    bad = runner.invoke(app, ["compare", "--methods", "grpo", "--methods", "magic", "--out",
+                              str(tmp_path / "bad")])  # fmt: skip
+    assert bad.exit_code == 2 and "CreditParams.method" in bad.output
+    assert not (tmp_path / "bad").exists()  # refused before the rule or any run
+    plan = runner.invoke(app, ["compare", "--plan", "--effect", "0.5", "--out", str(out)])
+    assert plan.exit_code == 0, plan.output
+    assert "gear: 2 pairs" in plan.output
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,7 @@ def test_compare_names_a_damaged_summary_before_training(tmp_path, no_model_load
     out = tmp_path / "study"
     (out / "grpo-seed0").mkdir(parents=True)
     (out / "grpo-seed0" / "summary.json").write_text('{"eval_before": {"pass@1": 0.')
-    args = ["compare", "--methods", "grpo", "--seeds", "0", "--out", str(out)]
+    args = ["compare", "--methods", "grpo", "--methods", "gear", "--seeds", "0", "--out", str(out)]
     line = error_line(runner.invoke(app, args))
     assert line.startswith(f"error: {out}/grpo-seed0/summary.json: not valid JSON (")
     assert f"move {out}/grpo-seed0 aside and `gear compare` trains that run again" in line
@@ -340,7 +340,7 @@ def test_compare_names_a_metrics_file_that_is_not_text(tmp_path, no_model_loadin
     done = {"eval_before": {"pass@1": 0.1}, "eval_after": {"pass@1": 0.2}, "steps": 1}
     (out / "grpo-seed0" / "summary.json").write_text(json.dumps(done))
     (out / "grpo-seed0" / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\x00garbage')
-    args = ["compare", "--methods", "grpo", "--seeds", "0", "--out", str(out)]
+    args = ["compare", "--methods", "grpo", "--methods", "gear", "--seeds", "0", "--out", str(out)]
     line = error_line(runner.invoke(app, args))
     assert line.startswith(f"error: {out}/grpo-seed0/metrics.jsonl: not UTF-8 text (byte 12")
 

@@ -125,6 +125,43 @@ def test_no_comparison_when_the_baseline_does_not_learn():
     assert out["winner"] is None and out["beats_baseline"] == []
 
 
+def assert_close(mine, theirs, where: str) -> None:
+    """Equal structure and values, floats to 1e-9 relative (JSON keeps 17 digits)."""
+    if isinstance(theirs, dict):
+        assert set(mine) == set(theirs), where
+        for k in theirs:
+            assert_close(mine[k], theirs[k], f"{where}.{k}")
+    elif isinstance(theirs, list):
+        assert len(mine) == len(theirs), where
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert_close(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, float):
+        assert mine == pytest.approx(theirs, rel=1e-9), where
+    else:
+        assert mine == theirs, where
+
+
+def test_the_committed_comparisons_are_reproduced_through_the_shared_analysis():
+    """benchmarks/results/lm_learning.json's analysis, from its committed records (issue 37's
+    own and issue 35's reused ones) through `gear.evidence.compare_arms`, the analysis `gear
+    compare` runs: the gate, every interval, power and MDE, stability and the decision."""
+    committed = json.loads((ll.RESULTS / "lm_learning.json").read_text())
+    seeds = committed["seeds"]
+    runs = {arm: [ll.record(arm, s) for s in seeds] for arm in ll.ARMS}
+    grid = range(committed["seeds_asked"])
+    gate_runs = [r for s in grid if (r := ll.record(ll.BASELINE, s)) is not None]
+    out = ll.analyse(runs, gate_runs)
+    for key in ("gate", "stability", "beats_baseline", "winner", "grpo_beats_gear",
+                "reward_slope"):  # fmt: skip
+        assert_close(out[key], committed[key], key)
+    assert set(out["comparisons"]) == set(committed["comparisons"])
+    for arm, c in committed["comparisons"].items():
+        mine = {k: out["comparisons"][arm][k] for k in c}  # the shared analysis adds keys
+        assert_close(mine, c, arm)
+        assert out["comparisons"][arm]["seeds"] == seeds
+    assert ll.decision(committed | out) == committed["decision"]
+
+
 def test_every_candidate_has_a_placebo_gear_train_accepts():
     from gear.integrations.trl import GEARConfig
     from gear.run import resolve_config

@@ -6,7 +6,8 @@ gear train --method grpo --steps 20 --set learning_rate=2e-6
 gear train --resume runs/arithmetic-gear-seed0-...
 gear eval runs/arithmetic-gear-seed0-... --n 200
 gear inspect runs/arithmetic-gear-seed0-...
-gear compare --methods grpo --methods gear --config paper --seeds 0 --seeds 1 --steps 40
+gear compare --methods grpo --methods gear --seeds 0 --seeds 1 --seeds 2   # does gear beat grpo?
+gear compare --plan --effect 0.05                                          # seeds needed, from a pilot
 ```
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -493,28 +493,76 @@ def compare(
     config: Annotated[
         str | None, typer.Option(help="Base config (a file, or a shipped recipe: study).")
     ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
+    ] = None,
+    task: Annotated[str | None, typer.Option(help="arithmetic | gsm8k | bfcl | tools")] = None,
     steps: Annotated[int | None, typer.Option(help="Steps per run (same for all).")] = None,
+    baseline: Annotated[str, typer.Option(help="The method the others are compared to.")] = "grpo",
+    effect: Annotated[
+        float, typer.Option(help="The gain on the learning metric the study is planned for.")
+    ] = 0.05,
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan",
+            help="Train nothing: from the finished pairs in --out (a pilot), print the seeds "
+            "needed to detect --effect at 80% power.",
+        ),
+    ] = False,
+    amend_rule: Annotated[
+        bool,
+        typer.Option(
+            "--amend-rule",
+            help="Change the rule of a study whose runs began (the report then calls no winner).",
+        ),
+    ] = False,
     out: Annotated[Path, typer.Option(help="Study directory (resumable).")] = Path("runs/compare"),
     set_: SetOpt = None,
 ) -> None:
-    """Train methods x seeds with the same data and budget; table + learning curves."""
+    """Train methods x seeds paired by seed, then report whether any beats the baseline.
+
+    The rule (arms, baseline, metric, seeds, alpha, effect) is written to OUT/rule.json before
+    the first run. The report (compare.md, compare.json, compare.png): the learning gate on the
+    baseline, each method - baseline with Bonferroni and 95% intervals, the detectable effect,
+    the worst seeds and one verdict. Run the same command again to resume a stopped study.
+    """
+    from gear import compare as study
     from gear.run import RunStopped, resolve_config, resume_config
     from gear.run import train as run_train
 
-    out.mkdir(parents=True, exist_ok=True)
-    base = _overrides(set_, steps=steps)
+    if plan:
+        try:
+            typer.echo(study.plan_text(study.plan(out, methods, baseline, effect)))
+        except ValueError as e:
+            _fail(str(e))
+        return
+    named = dict(steps=steps, model=model, task=task)
+    base = _overrides(set_, **named)
+    try:
+        first = resolve_config(config, {**base, "credit_method": baseline, "seed": seeds[0]})
+        for method in methods:  # every arm's config checked before anything is written
+            cfg = resolve_config(config, {**base, "credit_method": method, "seed": seeds[0]})
+            study.check_config(cfg, out / study.run_name(method, seeds[0]))
+        rule = study.make_rule(
+            methods, baseline, seeds, first, config=config, overrides=base, effect=effect
+        )
+        rule_hash = study.fix_rule(out, rule, amend=amend_rule)
+    except (ValueError, NotImplementedError) as e:
+        _fail(str(e))
     for method in methods:
         for seed in seeds:
-            run_dir = out / f"{method}-seed{seed}"
-            if (run_dir / "summary.json").is_file() and "eval_after" in _summary(run_dir):
+            run_dir = out / study.run_name(method, seed)
+            if study.run_record(run_dir) is not None:
                 console.print(f"[dim]{run_dir.name}: done, skipped[/]")
                 continue
             console.rule(f"{method} seed {seed}")
+            study.mark_run(run_dir, rule_hash)
             _share_eval_before(out, run_dir, seed)
             try:
                 values = {**base, "credit_method": method, "seed": seed}
                 if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
-                    cfg = resume_config(run_dir, values, labels=_labels(steps=steps))
+                    cfg = resume_config(run_dir, values, labels=_labels(**named))
                 else:
                     cfg = resolve_config(config, {**values, "output_dir": str(run_dir)})
                     cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
@@ -528,7 +576,9 @@ def compare(
                 raise typer.Exit(e.exit_code) from None
             except ValueError as e:
                 _fail(str(e))
-    write_comparison(out, methods, seeds)
+    result = study.report(out)
+    console.print(f"[bold]verdict:[/] {result['verdict']}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {out / 'compare.md'}, compare.json and {result['figure']}")
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
@@ -553,101 +603,6 @@ def _share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "summary.json").write_text(json.dumps({"eval_before": before}, indent=2))
             return
-
-
-def write_comparison(out: Path, methods: list[str], seeds: list[int]) -> dict[str, Any]:
-    """compare.json / compare.md (mean ± std) and learning-curve PNGs from the runs in `out`."""
-    from gear.run_callbacks import read_metrics
-    from gear.viz.plots import plot_learning_curves
-
-    rows, acc_curves, reward_curves = [], {}, {}
-    for method in methods:
-        finals, befores, rewards = [], [], []
-        for seed in seeds:
-            run_dir = out / f"{method}-seed{seed}"
-            summary_file = run_dir / "summary.json"
-            if not summary_file.is_file():
-                continue
-            s = _summary(run_dir)
-            if s.get("eval_after"):
-                finals.append(s["eval_after"]["pass@1"])
-            if s.get("eval_before"):
-                befores.append(s["eval_before"]["pass@1"])
-            metrics = read_metrics(run_dir / "metrics.jsonl")
-            acc = [
-                (m["step"], m["eval/accuracy"])
-                for m in metrics
-                if m.get("eval/accuracy") is not None
-            ]
-            if s.get("eval_before"):
-                acc = [(0, s["eval_before"]["pass@1"]), *acc]
-            if s.get("eval_after"):
-                acc.append(
-                    (s.get("steps") or (acc[-1][0] + 1 if acc else 1), s["eval_after"]["pass@1"])
-                )
-            rew = [(m["step"], m["reward"]) for m in metrics if m.get("reward") is not None]
-            if acc:
-                acc_curves.setdefault(method, []).append(([a for a, _ in acc], [b for _, b in acc]))
-            if rew:
-                reward_curves.setdefault(method, []).append(
-                    ([a for a, _ in rew], [b for _, b in rew])
-                )
-                tail = [b for _, b in rew[-max(len(rew) // 5, 1) :]]
-                rewards.append(sum(tail) / len(tail))
-        rows.append(
-            {
-                "method": method,
-                "runs": len(finals),
-                "acc_before": _mean_std(befores),
-                "acc_after": _mean_std(finals),
-                "final_reward": _mean_std(rewards),
-                "acc_after_values": finals,
-            }
-        )
-    plots = []
-    if acc_curves:
-        plots.append(
-            str(
-                plot_learning_curves(
-                    acc_curves, out / "learning_curve_accuracy.png", "held-out pass@1"
-                )
-            )
-        )
-    if reward_curves:
-        plots.append(
-            str(
-                plot_learning_curves(
-                    reward_curves, out / "learning_curve_reward.png", "train reward"
-                )
-            )
-        )
-    result = {"methods": methods, "seeds": seeds, "rows": rows, "plots": plots}
-    (out / "compare.json").write_text(json.dumps(result, indent=2))
-    md = [
-        "| method | runs | held-out before | held-out after | final train reward |",
-        "|---|---|---|---|---|",
-    ]
-    md += [
-        f"| {r['method']} | {r['runs']} | {r['acc_before']} | {r['acc_after']} | {r['final_reward']} |"
-        for r in rows
-    ]
-    (out / "compare.md").write_text("\n".join(md) + "\n")
-    table = Table(title=f"compare: {out}")
-    for col in ("method", "runs", "held-out before", "held-out after", "final train reward"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            r["method"], str(r["runs"]), r["acc_before"], r["acc_after"], r["final_reward"]
-        )
-    console.print(table)
-    return result
-
-
-def _mean_std(values: list[float]) -> str:
-    if not values:
-        return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def learning_gate(
 
     Args:
         before, after: the held-out metric of each seed's run before and after training.
-        rewards: each seed's training reward per step (for the trend).
+        rewards: each seed's training reward per step (for the trend; a run of one step has
+            none, and the trend check fails).
     Returns {"seeds", "metric", "paired" (mean, ci, sd, n of after - before), "reward_slope"
     (t_interval of the per-seed slopes), "checks" (each condition), "passed"}.
     """
@@ -51,11 +52,12 @@ def learning_gate(
             f"({len(rewards)}) need one entry per seed"
         )
     diff = paired(after, before, level)
-    slopes = t_interval([slope(r) for r in rewards], level)
+    # a run of one step has no trend: the check then fails (it is not skipped)
+    slopes = t_interval([slope(r) for r in rewards if len(r) >= 2], level)
     checks = {
         f"n >= {min_seeds}": len(before) >= min_seeds,
         "paired interval above 0": diff["n"] >= 2 and diff["ci"][0] > 0,
-        "training reward trend > 0": slopes["n"] >= 1 and slopes["mean"] > 0,
+        "training reward trend > 0": 1 <= slopes["n"] == len(rewards) and slopes["mean"] > 0,
     }
     return {
         "seeds": list(seeds) if seeds is not None else list(range(len(before))),

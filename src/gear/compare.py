@@ -1,0 +1,547 @@
+"""`gear compare`: does a credit method help on your task, and how sure is that? (issue 49)
+
+A study is a directory: one `gear train` run per method and seed (`<method>-seed<s>/`, paired by
+seed: the same prompts, sampling and initialisation for every method of a seed, and the same
+held-out problems and draws for every run), and the rule the report follows:
+
+    rule.json          arms, baseline, metric, seeds, alpha, the effect; written before the
+                       first run. Each run directory keeps the rule's hash from when it began
+                       (`rule.sha256`); a run that began under another rule, or none, means the
+                       rule changed after the first run began, and no winner is called.
+    compare.json/.md   the analysis (`gear.evidence.compare_arms`, the one the studies use):
+                       the learning gate on the baseline, each candidate - baseline paired by
+                       seed (Bonferroni and 95% intervals, MDE at 80% power, greedy pass@1),
+                       worst seeds, and one verdict sentence.
+    compare.png        the learning curves beside the paired differences with their intervals.
+
+Only complete pairs are analysed; missing or unfinished runs are listed. Where the study
+directory is under git, `gear.evidence.preregistered` also checks that the committed rule
+precedes every committed result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RULE_FILE = "rule.json"
+RUN_HASH = "rule.sha256"  # in each run directory: the rule's hash when the run began
+ALPHA = 0.05  # family-wise, over the candidates (Bonferroni)
+EFFECT = 0.05  # the default gain a study is planned for, on the learning metric
+GATE_MIN_SEEDS = 2  # the fewest a paired interval needs; more seeds make the gate stricter
+
+
+def run_name(method: str, seed: int) -> str:
+    return f"{method}-seed{seed}"
+
+
+def metric_of(cfg: Any) -> tuple[str, str]:
+    """The learning metric of runs of `cfg` (a RunConfig): its key in summary.json's
+    eval_before / eval_after, and its description. A ValueError when runs would have none."""
+    if not cfg.eval_n:
+        raise ValueError(
+            "gear compare needs a held-out evaluation before and after training: eval_n is 0 "
+            "(--set eval_n=200)"
+        )
+    if cfg.eval_samples:
+        temperature = float(cfg.trainer.get("temperature", 1.0))
+        return "mean_reward", (
+            f"held-out mean reward ({cfg.eval_samples} samples per problem at "
+            f"T={temperature:g}, {cfg.eval_n} problems, eval_seed {cfg.eval_seed})"
+        )
+    return "pass@1", (
+        f"held-out greedy pass@1 ({cfg.eval_n} problems; eval_samples is 0: --set "
+        "eval_samples=8 measures the mean reward of 8 samples, a finer learning metric)"
+    )
+
+
+def check_config(cfg: Any, run_dir: Path) -> None:
+    """What `gear train` checks of a run's config before it loads a model (the task, the
+    precision, the trainer's fields, LoRA), for every arm before the study's first run; writes
+    nothing. A ValueError (or NotImplementedError) names what is wrong."""
+    from gear.run import lora_config, run_precision, trainer_args
+    from gear.tasks import get_task
+
+    task = get_task(cfg.task, **cfg.task_options)
+    trainer_args(cfg, Path(run_dir), hint_kind=task.hint_kind, precision=run_precision(cfg))
+    lora_config(cfg)
+
+
+def make_rule(
+    methods: Sequence[str],
+    baseline: str,
+    seeds: Sequence[int],
+    cfg: Any,
+    *,
+    config: str | None,
+    overrides: Mapping[str, Any],
+    effect: float = EFFECT,
+    alpha: float = ALPHA,
+) -> dict[str, Any]:
+    """The study's rule from the command that starts it; `cfg` is the baseline's resolved
+    config (its metric and steps). A ValueError for a study that could not be decided."""
+    if baseline not in methods:
+        raise ValueError(f"--baseline {baseline}: not one of --methods {list(methods)}")
+    if len(methods) < 2:
+        raise ValueError(f"--methods {list(methods)}: a comparison needs two methods or more")
+    for name, values in (("--methods", methods), ("--seeds", seeds)):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{name} {list(values)}: each value once")
+    if not effect > 0:
+        raise ValueError(f"--effect {effect}: the gain to detect, above 0")
+    steps = cfg.trainer.get("max_steps")
+    if isinstance(steps, int) and 0 < steps < 2:
+        raise ValueError(
+            f"max_steps {steps}: the learning gate reads the training reward's trend, which "
+            "needs 2 steps or more"
+        )
+    metric, label = metric_of(cfg)
+    return {
+        "arms": list(methods),
+        "baseline": baseline,
+        "metric": metric,
+        "metric_label": label,
+        "seeds": list(seeds),
+        "alpha": alpha,
+        "family": "bonferroni",
+        "effect": effect,
+        "gate_min_seeds": GATE_MIN_SEEDS,
+        "config": config,
+        "set": dict(overrides),
+    }
+
+
+def rule_hash(rule: Mapping[str, Any]) -> str:
+    """SHA-256 of the rule's content (canonical JSON: a reformatted file keeps its hash)."""
+    return hashlib.sha256(json.dumps(rule, sort_keys=True).encode()).hexdigest()
+
+
+def read_rule(out: Path) -> dict[str, Any] | None:
+    path = Path(out) / RULE_FILE
+    if not path.is_file():
+        return None
+    from gear.inputs import InputError, read_json
+
+    rule = read_json(path, "it holds the study's rule: restore it from a copy of the study")
+    if not isinstance(rule, dict):
+        raise InputError(path, "not a JSON object", "restore the study's rule from a copy")
+    missing = {"arms", "baseline", "metric", "seeds", "alpha", "effect"} - set(rule)
+    if missing:
+        raise ValueError(f"{path}: the rule lacks {sorted(missing)}")
+    return rule
+
+
+def begun_runs(out: Path) -> list[Path]:
+    """The run directories of the study that have begun (a config.yaml or a recorded hash)."""
+    return sorted(
+        d
+        for d in Path(out).glob("*-seed*")
+        if d.is_dir() and ((d / "config.yaml").is_file() or (d / RUN_HASH).is_file())
+    )
+
+
+def fix_rule(out: Path, rule: Mapping[str, Any], amend: bool = False) -> str:
+    """Write `rule` to OUT/rule.json before the first run; returns its hash. The rule of a
+    study whose runs have begun may change only with `amend` (the report then calls no
+    winner): a ValueError names what differs."""
+    out = Path(out)
+    h = rule_hash(rule)
+    old = read_rule(out)
+    if old is not None and rule_hash(old) != h:
+        begun = begun_runs(out)
+        if begun and not amend:
+            differs = "; ".join(
+                f"{k}: {old.get(k)!r} -> {rule.get(k)!r}"
+                for k in sorted(set(old) | set(rule))
+                if old.get(k) != rule.get(k)
+            )
+            raise ValueError(
+                f"{out / RULE_FILE}: this command changes the study's rule ({differs}) after "
+                f"{len(begun)} run(s) began under it. Rerun with the rule's arguments to "
+                "continue, give a new study another --out, or pass --amend-rule to change it "
+                "(the report then calls no winner)"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    _write_text(out / RULE_FILE, json.dumps(rule, indent=1) + "\n")
+    return h
+
+
+def mark_run(run_dir: Path, h: str) -> None:
+    """Record the rule's hash `h` in a run directory before its run begins (kept as first
+    written: a run resumed under a changed rule keeps the hash it began under)."""
+    run_dir = Path(run_dir)
+    if (run_dir / RUN_HASH).is_file() or (run_dir / "config.yaml").is_file():
+        return  # marked, or begun before the rule (left unmarked: the report names it)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_text(run_dir / RUN_HASH, h + "\n")
+
+
+def run_record(run_dir: Path) -> dict[str, Any] | None:
+    """The finished run in `run_dir` as a record (`gear.evidence.compare`): its held-out
+    scores before and after training (summary.json) and training reward per step
+    (metrics.jsonl); None while it has not finished."""
+    from gear.run_callbacks import read_metrics
+
+    run_dir = Path(run_dir)
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        return None
+    from gear.inputs import InputError, read_json
+
+    todo = f"move {run_dir} aside and `gear compare` trains that run again, or restore the file"
+    summary = read_json(summary_file, todo)
+    if not isinstance(summary, dict):
+        raise InputError(summary_file, "not a JSON object", todo)
+    if not summary.get("eval_after") or not summary.get("eval_before"):
+        return None
+    steps = [m for m in read_metrics(run_dir / "metrics.jsonl") if m.get("reward") is not None]
+    hash_file = run_dir / RUN_HASH
+    return {
+        "name": run_dir.name,
+        "seed": summary.get("seed"),
+        "method": summary.get("method"),
+        "before": summary["eval_before"],
+        "after": summary["eval_after"],
+        "reward": [m["reward"] for m in steps],
+        "steps": [m["step"] for m in steps],
+        "rule_sha256": hash_file.read_text().strip() if hash_file.is_file() else None,
+        "precision": summary.get("precision"),
+    }
+
+
+def collect(
+    out: Path, arms: Sequence[str], seeds: Sequence[int] | None, metric: str
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[int]], dict[str, str]]:
+    """The finished runs of `arms` in `out` (at `seeds`; None: every seed found), the seeds
+    asked but not finished per arm, and the runs that cannot be used (name -> why)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    missing: dict[str, list[int]] = {}
+    unusable: dict[str, str] = {}
+    for arm in arms:
+        wanted = seeds
+        if wanted is None:
+            found = (d.name[len(arm) + len("-seed") :] for d in Path(out).glob(f"{arm}-seed*"))
+            wanted = sorted(int(s) for s in found if s.isdigit())
+        runs[arm], missing[arm] = [], []
+        for seed in wanted:
+            name = run_name(arm, seed)
+            r = run_record(Path(out) / name)
+            if r is None:
+                missing[arm].append(seed)
+            elif metric not in r["before"] or metric not in r["after"]:
+                unusable[name] = f"no {metric} in its held-out scores (eval_samples 0?)"
+                missing[arm].append(seed)
+            else:
+                runs[arm].append(r | {"seed": seed})
+    return runs, missing, unusable
+
+
+def git_record(out: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any] | None:
+    """Where `out` is under git: the rule's first commit and whether it precedes every
+    committed result (`gear.evidence.preregistered` on each run's summary.json); None
+    elsewhere. "blocks" is True where a result was committed before the rule or with it."""
+    from gear.evidence import first_commit, preregistered
+
+    top = subprocess.run(
+        ["git", "-C", str(out), "rev-parse", "--show-toplevel"], capture_output=True, text=True
+    )
+    if top.returncode != 0:
+        return None
+    root = Path(top.stdout.strip()).resolve()
+    rule = (Path(out) / RULE_FILE).resolve().relative_to(root)
+    checks = [
+        preregistered(rule, (Path(out) / r["name"] / "summary.json").resolve().relative_to(root),
+                      root)
+        for rs in runs.values()
+        for r in rs
+    ]  # fmt: skip
+    committed = [c for c in checks if c["results_commit"] is not None]
+    return {
+        "rule": str(rule),
+        "rule_commit": first_commit(rule, root),
+        "results_committed": len(committed),
+        "precede": [c["results"] for c in committed if c["precedes"]],
+        "blocks": any(not c["precedes"] for c in committed),
+    }
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def report(out: Path, figure: bool = True) -> dict[str, Any]:
+    """The study's report from its rule and finished runs: compare.json, compare.md and
+    compare.png in `out`; returns what compare.json holds."""
+    from gear.evidence import compare_arms, verdict
+
+    out = Path(out)
+    rule = read_rule(out)
+    if rule is None:
+        raise ValueError(f"{out}: no {RULE_FILE}; `gear compare` writes it before the first run")
+    h = rule_hash(rule)
+    metric = rule["metric"]
+    runs, missing, unusable = collect(out, rule["arms"], rule["seeds"], metric)
+    analysis = compare_arms(
+        runs,
+        rule["baseline"],
+        metric=metric,
+        secondary="pass@1" if metric != "pass@1" else None,
+        alpha=rule["alpha"],
+        effect=rule["effect"],
+        gate_min_seeds=rule.get("gate_min_seeds", GATE_MIN_SEEDS),
+        metric_label=rule.get("metric_label"),
+    )
+    other = sorted(r["name"] for rs in runs.values() for r in rs if r["rule_sha256"] != h)
+    no_winner = None
+    if other:
+        no_winner = (
+            f"the rule changed after the first run began ({len(other)} run(s) began under "
+            "another rule or none)"
+        )
+    git = git_record(out, runs)
+    if git is not None and git["blocks"]:
+        no_winner = "a result was committed to git before the rule (gear.evidence.preregistered)"
+    sentence = verdict(analysis, no_winner)
+    asked = len(rule["arms"]) * len(rule["seeds"])
+    not_done = sum(len(v) for v in missing.values())
+    if not_done:
+        sentence += f"; {not_done} of {asked} runs not finished: complete pairs only"
+    result = {
+        "study": str(out),
+        "rule": rule,
+        "rule_sha256": h,
+        "rule_unchanged": not other,
+        "runs_under_another_rule": other,
+        "git": git,
+        "missing": {a: s for a, s in missing.items() if s},
+        "unusable": unusable,
+        "per_seed": {
+            arm: [
+                {
+                    "seed": r["seed"],
+                    "before": r["before"][metric],
+                    "after": r["after"][metric],
+                    "greedy_before": r["before"].get("pass@1"),
+                    "greedy_after": r["after"].get("pass@1"),
+                    "steps": r["steps"],
+                    "reward": r["reward"],
+                }
+                for r in rs
+            ]
+            for arm, rs in runs.items()
+        },
+        **analysis,
+        "winners": [] if no_winner else analysis["beats_baseline"],
+        "verdict": sentence,
+        "machine": machine(),
+    }
+    result = _finite(result)
+    if figure:
+        from gear.viz.compare import plot_comparison
+
+        result["figure"] = plot_comparison(result, out / "compare.png").name
+    _write_text(out / "compare.json", json.dumps(result, indent=1) + "\n")
+    _write_text(out / "compare.md", markdown(result))
+    return result
+
+
+def plan(
+    out: Path, methods: Sequence[str], baseline: str, effect: float, alpha: float = ALPHA
+) -> dict[str, Any]:
+    """Seeds needed to detect a gain of `effect` at 80% power, from the finished pairs in `out`
+    (a pilot: every seed found). The metric is the study rule's, else the mean reward where
+    every run has it, else greedy pass@1."""
+    from gear.evidence import seeds_to_plan
+
+    if baseline not in methods:
+        raise ValueError(f"--baseline {baseline}: not one of --methods {list(methods)}")
+    rule = read_rule(out)
+    metric = rule["metric"] if rule else "mean_reward"
+    runs, _, _ = collect(out, methods, None, metric)
+    if rule is None and not any(runs.values()):  # no mean reward: the greedy metric
+        metric = "pass@1"
+        runs, _, _ = collect(out, methods, None, metric)
+    found = {a: [r["seed"] for r in rs] for a, rs in runs.items()}
+    if not runs[baseline] or all(not rs for a, rs in runs.items() if a != baseline):
+        raise ValueError(
+            f"{out}: no finished pairs of {list(methods)} (runs found: {found}); a pilot "
+            f"first: gear compare --seeds 0 --seeds 1 --out {out}"
+        )
+    result = seeds_to_plan(runs, baseline, effect, metric=metric, alpha=alpha, candidates=methods)
+    return _finite(result | {"study": str(out), "metric": metric, "baseline": baseline,
+                             "pilot_seeds": found})  # fmt: skip
+
+
+def plan_text(p: Mapping[str, Any]) -> str:
+    k = len(p["candidates"])
+    lines = [
+        f"plan from the pilot in {p['study']} ({p['metric']}; each method - {p['baseline']}, "
+        f"paired by seed): seeds to detect a gain of +{p['effect']:g} with "
+        f"{p['power']:.0%} power, two-sided at alpha {p['alpha']:g}/{k} (Bonferroni)",
+    ]
+    for arm, c in p["candidates"].items():
+        sd = "-" if c["sd"] is None else f"{c['sd']:.4f}"
+        need = c["seeds"] if c["seeds"] is not None else (
+            "more than 999" if c["pairs"] >= 2 else "unknown (fewer than 2 pairs)"
+        )  # fmt: skip
+        lines.append(f"  {arm}: {c['pairs']} pairs, SD of the differences {sd}: {need} seeds")
+    gate = p["gate"]
+    if gate["seeds"] is not None:
+        lines.append(
+            f"  the learning gate ({p['baseline']} after - before {gate['mean']:+.3f}, SD "
+            f"{gate['sd']:.4f} over {gate['pairs']} seeds): {gate['seeds']} seeds for its 95% "
+            "interval to clear 0"
+        )
+    else:
+        lines.append(
+            f"  the learning gate: unknown ({p['baseline']} gained nothing in the pilot, or "
+            "fewer than 2 seeds): a study cannot be planned before the baseline learns"
+        )
+    if p["seeds"] is not None:
+        lines.append(
+            f"needed: {p['seeds']} seeds (an SD from a few pairs is rough: plan with margin). "
+            f"Start the study in a new directory, e.g. gear compare --seeds 0 ... --seeds "
+            f"{p['seeds'] - 1} --effect {p['effect']:g} --out <new dir>"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Atomically: a temporary named by this process, renamed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _finite(obj: Any) -> Any:
+    """`obj` with NaN and infinities as None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _num(x: float | None, fmt: str = "+.3f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _ci(ci: Sequence[float | None]) -> str:
+    return "—" if None in ci else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+def markdown(result: Mapping[str, Any]) -> str:
+    """compare.md: the verdict first, then the rule, the gate, the comparisons, stability."""
+    rule, base = result["rule"], result["baseline"]
+    level = f"{100 * result['level']:.4g}%"
+    k = len(result["comparisons"])
+    lines = [
+        f"# Does a method beat {base} here? ({result['study']})",
+        "",
+        f"**Verdict:** {result['verdict']}.",
+        "",
+        "## Rule",
+        "",
+        f"- `{RULE_FILE}` (sha256 `{result['rule_sha256'][:12]}`), written before the first "
+        f"run: arms {', '.join(f'`{a}`' for a in rule['arms'])}; baseline `{base}`; seeds "
+        f"{rule['seeds']}; metric: {result['metric']}; alpha {rule['alpha']:g} over {k} "
+        f"candidate(s) (Bonferroni: {level} intervals); effect +{rule['effect']:g}.",
+        "- Every run began under this rule."
+        if result["rule_unchanged"]
+        else f"- **The rule changed after the first run began**: "
+        f"{', '.join(result['runs_under_another_rule'])} began under another rule or none, "
+        "so no winner is called.",
+    ]
+    git = result.get("git")
+    if git is not None:
+        lines.append(
+            f"- git: the rule's first commit {str(git['rule_commit'])[:12]}; "
+            f"{git['results_committed']} result(s) committed, "
+            + ("one before the rule: no winner." if git["blocks"] else "none before the rule.")
+        )
+    if result["missing"] or result["unusable"]:
+        lines.append(
+            "- Not finished (only complete pairs are analysed): "
+            + "; ".join(f"`{a}` seeds {s}" for a, s in result["missing"].items())
+            + "".join(f"; `{n}`: {why}" for n, why in result["unusable"].items())
+        )
+    g = result["gate"]
+    gp, slope = g["paired"], g["reward_slope"]
+    lines += [
+        "",
+        f"## 1. Learning gate: does `{base}` learn?",
+        "",
+        f"After - before training on the metric, paired over {gp['n']} seeds: "
+        f"{_num(gp['mean'])} {_ci(gp['ci'])} (95%); training reward slope "
+        f"{_num(slope['mean'], '+.4f')} per step. Checks: "
+        + ", ".join(f"{c} {'yes' if ok else '**no**'}" for c, ok in g["checks"].items())
+        + f". **{'Passed' if g['passed'] else 'Failed: no method is compared'}.**",
+        "",
+        f"## 2. Each method - `{base}`, paired by seed",
+        "",
+        f"| method | pairs | mean after | − {base} | {level} (Bonferroni) | 95% | MDE at 80% "
+        f"| power at +{rule['effect']:g} | seeds for +{rule['effect']:g} | greedy pass@1 − "
+        f"{base} (95%) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    if not g["passed"]:
+        lines[-2:-2] = ["The gate failed: these differences decide nothing (for the record).", ""]
+    per_seed = result["per_seed"]
+
+    def mean_after(arm: str) -> str:
+        v = [r["after"] for r in per_seed[arm]]
+        return f"{sum(v) / len(v):.3f}" if v else "—"
+
+    lines.append(f"| {base} | — | {mean_after(base)} | | | | | | | |")
+    for arm, c in result["comparisons"].items():
+        b, gr = c["bonferroni"], c.get("greedy")
+        greedy = f"{_num(gr['mean'])} {_ci(gr['ci'])}" if gr else "—"
+        need = c.get("seeds_for_effect")
+        lines.append(
+            f"| {arm} | {b['n']} | {mean_after(arm)} | {_num(b['mean'])} | {_ci(b['ci'])} | "
+            f"{_ci(c['ci95'])} | {_num(c['mde'], '.3f')} | "
+            f"{_num(c.get('power_at_effect'), '.2f')} | {need if need else '—'} | {greedy} |"
+        )
+    lines += [
+        "",
+        "## 3. Stability",
+        "",
+        "| arm | seeds | before (mean) | after, per seed | worst seed | seeds ending below "
+        "their before |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, st in result["stability"].items():
+        rs = per_seed[arm]
+        before = f"{sum(r['before'] for r in rs) / len(rs):.3f}" if rs else "—"
+        worst = f"{st['worst']:.3f} (seed {st['worst_seed']})" if rs else "—"
+        afters = ", ".join(f"{r['after']:.3f}" for r in rs) or "—"
+        lines.append(
+            f"| {arm} | {[r['seed'] for r in rs]} | {before} | {afters} | {worst} | "
+            f"{st['below_before'] or 'none'} |"
+        )
+    m = result["machine"]
+    lines += [
+        "",
+        f"Figure: `{result.get('figure', '—')}` (learning curves; paired differences with their "
+        f"intervals). Machine: CPU capability `{m['cpu_capability']}`, torch {m['torch']}"
+        + (f", GPU {m['gpu']}" if m["gpu"] else ", no GPU")
+        + ". Plan a larger study: `gear compare --plan --effect E` on this directory.",
+    ]
+    return "\n".join(lines) + "\n"

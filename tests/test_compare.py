@@ -1,0 +1,347 @@
+"""The comparison `gear compare` and the studies share (gear.evidence.compare) and the study
+directory around it (gear.compare: rule, records, report), on synthetic records: no training."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from scipy import stats
+
+from gear import compare as study
+from gear.evidence import compare_arms, n_for_power, paired, seeds_to_plan, verdict
+
+BEFORE = 0.30
+BASE = [0.62, 0.70, 0.66, 0.74, 0.68, 0.71]  # grpo after training: the gate passes
+GAIN = [0.10, 0.12, 0.11, 0.09, 0.10, 0.13]  # a planted gain of ~0.11, small spread
+NOISE = [0.04, -0.05, 0.03, -0.02, 0.01, -0.01]  # mean 0
+
+
+def rec(seed: int, after: float, before: float = BEFORE, greedy: float | None = None) -> dict:
+    return {
+        "seed": seed,
+        "before": {"mean_reward": before, "pass@1": before},
+        "after": {"mean_reward": after, "pass@1": after if greedy is None else greedy},
+        "reward": [0.2, 0.3, 0.4],
+    }
+
+
+def arm(values: list[float], seeds: list[int] | None = None) -> list[dict]:
+    return [rec(s, v) for s, v in zip(seeds or range(len(values)), values, strict=True)]
+
+
+def shifted(deltas: list[float], base: list[float] = BASE) -> list[float]:
+    return [b + d for b, d in zip(base, deltas, strict=True)]
+
+
+def analyse(runs: dict[str, list[dict]], **kw) -> dict:
+    return compare_arms(runs, "grpo", effect=0.05, gate_min_seeds=2, **kw)
+
+
+def test_a_planted_effect_is_found_with_the_bonferroni_interval_of_a_paired_t_test():
+    runs = {"grpo": arm(BASE), "gear": arm(shifted(GAIN)), "rlsd": arm(shifted(NOISE))}
+    out = analyse(runs)
+    assert out["gate"]["passed"]
+    assert out["beats_baseline"] == ["gear"] and out["below_baseline"] == []
+    c = out["comparisons"]["gear"]
+    # the oracle: scipy's paired t-test and its interval at 1 - 0.05/2 (two candidates)
+    test = stats.ttest_rel(shifted(GAIN), BASE)
+    assert c["level"] == pytest.approx(1 - 0.05 / 2)
+    assert c["bonferroni"]["ci"] == pytest.approx(list(test.confidence_interval(1 - 0.05 / 2)))
+    assert c["ci95"] == pytest.approx(list(test.confidence_interval(0.95)))
+    assert c["bonferroni"]["ci"][0] < sum(GAIN) / 6 < c["bonferroni"]["ci"][1]
+    assert c["greedy"]["mean"] == pytest.approx(sum(GAIN) / 6)
+    # the seeds the effect needs give it 80% power, one fewer does not
+    assert c["seeds_for_effect"] == n_for_power(0.05, c["bonferroni"]["sd"], 0.05 / 2)
+    sentence = verdict(out)
+    assert sentence.startswith(f"gear beats grpo by {c['bonferroni']['mean']:+.3f} [")
+    assert "97.5% intervals, n = 6 paired seeds" in sentence
+
+
+def test_a_null_is_not_called_and_the_verdict_gives_the_detectable_gain():
+    runs = {"grpo": arm(BASE), "gear": arm(shifted(NOISE))}
+    out = analyse(runs)
+    assert out["gate"]["passed"] and out["beats_baseline"] == []
+    c = out["comparisons"]["gear"]
+    assert c["bonferroni"]["ci"][0] < 0 < c["bonferroni"]["ci"][1]
+    sentence = verdict(out)
+    assert sentence.startswith("no method beats grpo on this task (n = 6 paired seeds)")
+    assert f"+{c['mde']:.3f} or more would have been found with 80% power" in sentence
+
+
+def test_nulls_are_called_winners_at_most_at_the_family_rate(monkeypatch):
+    """300 studies where no method differs from grpo (3 candidates, 5 seeds, seed effects
+    shared by the arms of a seed): Bonferroni keeps the studies with any false winner at
+    2.5% or less (one side of 5%): 6 of these 300; uncorrected 95% intervals (alpha 0.15
+    over the three) call a winner in 15 of them, above the bound."""
+    monkeypatch.setattr("gear.evidence.compare.mde", lambda *a: 0.0)  # not asked here: fast
+    rng = random.Random(0)
+    false = 0
+    for _ in range(300):
+        seed_effect = [rng.gauss(0.65, 0.05) for _ in range(5)]
+        runs = {
+            a: arm([m + rng.gauss(0, 0.04) for m in seed_effect])
+            for a in ("grpo", "gear", "rlsd", "oar_g")
+        }
+        false += bool(compare_arms(runs, "grpo", gate_min_seeds=2)["beats_baseline"])
+    assert false <= 14
+
+
+def test_a_failed_gate_blocks_every_comparison():
+    flat = [0.31, 0.29, 0.30, 0.28, 0.32, 0.29]  # grpo does not beat its before-score (0.30)
+    out = analyse({"grpo": arm(flat), "gear": arm(shifted(GAIN, flat))})
+    assert not out["gate"]["passed"]
+    assert out["comparisons"]["gear"]["bonferroni"]["ci"][0] > 0  # the interval is reported
+    assert out["beats_baseline"] == [] and out["below_baseline"] == []
+    sentence = verdict(out)
+    assert sentence.startswith("grpo did not learn here (after - before")
+    assert sentence.endswith("no comparison") and "paired interval above 0" in sentence
+
+
+def test_a_seed_ending_below_its_start_keeps_a_method_from_winning():
+    gear = arm(shifted(GAIN))
+    gear[2]["before"]["mean_reward"] = 0.9  # this seed's run ended below where it began
+    out = analyse({"grpo": arm(BASE), "gear": gear})
+    assert out["stability"]["gear"]["below_before"] == [2]
+    assert out["beats_baseline"] == []
+    assert "ended below its start on seed(s) [2]: not called a winner" in verdict(out)
+
+
+def test_unequal_seeds_are_paired_on_the_seeds_both_finished():
+    grpo = arm(BASE)  # seeds 0-5
+    gear = arm([*shifted(GAIN)[1:], 0.9], seeds=[1, 2, 3, 4, 5, 7])  # lacks 0, adds 7
+    out = analyse({"grpo": grpo, "gear": gear})
+    c = out["comparisons"]["gear"]
+    assert c["seeds"] == [1, 2, 3, 4, 5]
+    assert c["unpaired"] == {"gear": [7], "grpo": [0]}
+    assert c["bonferroni"] == paired(shifted(GAIN)[1:], BASE[1:])
+    assert out["gate"]["seeds"] == [0, 1, 2, 3, 4, 5]  # the gate reads every grpo run
+    # one pair is no comparison
+    out = analyse({"grpo": grpo, "gear": arm([0.9], seeds=[3])})
+    assert out["beats_baseline"] == [] and out["comparisons"]["gear"]["bonferroni"]["n"] == 1
+    assert "fewer than 2 complete pairs for gear: not compared" in verdict(out)
+    with pytest.raises(ValueError, match="seed 1 has two records"):
+        analyse({"grpo": grpo, "gear": arm([0.7, 0.7], seeds=[1, 1])})
+
+
+def test_a_method_below_the_baseline_is_named():
+    out = analyse({"grpo": arm(BASE), "gear": arm(shifted([-g for g in GAIN]))})
+    assert out["below_baseline"] == ["gear"]
+    assert "gear is below grpo: -0.108 [" in verdict(out)
+
+
+def test_plan_needs_the_seeds_of_a_paired_t_test_with_80_percent_power():
+    runs = {"grpo": arm(BASE[:3]), "gear": arm(shifted(NOISE)[:3]), "rlsd": arm(BASE[:3])}
+    p = seeds_to_plan(runs, "grpo", 0.05)
+    sd = paired(shifted(NOISE)[:3], BASE[:3])["sd"]
+    assert p["candidates"]["gear"]["pairs"] == 3
+    assert p["candidates"]["gear"]["seeds"] == n_for_power(0.05, sd, 0.05 / 2)
+    assert p["candidates"]["rlsd"]["seeds"] == 2  # no spread at all: 2 pairs show any gain
+    assert p["seeds"] == p["candidates"]["gear"]["seeds"]
+    gain = paired(BASE[:3], [BEFORE] * 3)
+    assert p["gate"]["seeds"] == n_for_power(gain["mean"], gain["sd"], 0.05) < p["seeds"]
+    # a baseline that did not gain in the pilot: no study can be planned yet
+    flat = {"grpo": arm([0.29, 0.30, 0.28]), "gear": arm([0.31, 0.33, 0.30])}
+    assert seeds_to_plan(flat, "grpo", 0.05)["seeds"] is None
+    # a baseline that gained, unevenly: the gate needs more seeds than the comparison
+    uneven = {"grpo": arm([0.65, 0.31, 0.60]), "gear": arm([0.66, 0.32, 0.61])}
+    p = seeds_to_plan(uneven, "grpo", 0.05)
+    assert p["candidates"]["gear"]["seeds"] == 2 and p["seeds"] == p["gate"]["seeds"] > 2
+    # twice the effect needs fewer seeds
+    assert seeds_to_plan(runs, "grpo", 0.1)["seeds"] < p["seeds"]
+    with pytest.raises(ValueError, match="a gain above 0"):
+        seeds_to_plan(runs, "grpo", 0.0)
+
+
+# ------------------------------------------------------------------------------ the study dir
+
+CFG = SimpleNamespace(
+    eval_n=200, eval_samples=8, eval_seed=0, trainer={"temperature": 0.7, "max_steps": 3}
+)
+
+
+def make_rule(methods=("grpo", "gear"), seeds=range(6), **kw) -> dict:
+    return study.make_rule(
+        list(methods), "grpo", list(seeds), CFG, config=None, overrides={"max_steps": 3}, **kw
+    )
+
+
+def write_run(out: Path, method: str, seed: int, after: float, h: str | None) -> Path:
+    """A finished run directory as `gear train` leaves it (summary.json, metrics.jsonl)."""
+    d = out / study.run_name(method, seed)
+    d.mkdir(parents=True, exist_ok=True)
+    if h is not None:
+        study.mark_run(d, h)
+    ev = {"pass@1": 0.5, "n_problems": 200}
+    summary = {
+        "seed": seed,
+        "method": method,
+        "eval_before": ev | {"mean_reward": BEFORE},
+        "eval_after": ev | {"mean_reward": after, "pass@1": after, "step": 3},
+    }
+    (d / "summary.json").write_text(json.dumps(summary))
+    (d / "config.yaml").write_text("model: tiny\n")
+    rows = [{"step": i + 1, "reward": r, "loss": 0.1} for i, r in enumerate([0.2, 0.3, 0.4])]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def planted(out: Path, h: str | None, seeds: range = range(6)) -> None:
+    for s in seeds:
+        write_run(out, "grpo", s, BASE[s], h)
+        write_run(out, "gear", s, BASE[s] + GAIN[s], h)
+
+
+def test_the_report_calls_a_planted_winner_and_writes_json_markdown_and_figure(tmp_path):
+    h = study.fix_rule(tmp_path, make_rule())
+    planted(tmp_path, h)
+    result = study.report(tmp_path)
+    assert result["winners"] == ["gear"] and result["rule_unchanged"]
+    assert result["verdict"].startswith("gear beats grpo by +0.108 [")
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["verdict"] == result["verdict"] and saved["rule_sha256"] == h
+    md = (tmp_path / "compare.md").read_text()
+    assert f"**Verdict:** {result['verdict']}." in md
+    for part in ("## 1. Learning gate", "**Passed.**", "| gear | 6 |", "95% (Bonferroni)",
+                 "Every run began under this rule", "CPU capability"):  # fmt: skip
+        assert part in md, part
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_an_edited_rule_blocks_a_winner(tmp_path):
+    h = study.fix_rule(tmp_path, make_rule())
+    planted(tmp_path, h)
+    rule = json.loads((tmp_path / "rule.json").read_text())
+    (tmp_path / "rule.json").write_text(json.dumps(rule | {"effect": 0.2}))  # edited by hand
+    result = study.report(tmp_path, figure=False)
+    assert result["beats_baseline"] == ["gear"] and result["winners"] == []
+    assert not result["rule_unchanged"] and len(result["runs_under_another_rule"]) == 12
+    assert result["verdict"].startswith("no winner is called: the rule changed after the first")
+    assert "**The rule changed after the first run began**" in (tmp_path / "compare.md").read_text()
+    # reformatting the file is no change
+    (tmp_path / "rule.json").write_text(json.dumps(rule, indent=4, sort_keys=True))
+    assert study.report(tmp_path, figure=False)["winners"] == ["gear"]
+
+
+def test_a_new_rule_for_a_begun_study_is_refused_unless_amended(tmp_path):
+    h = study.fix_rule(tmp_path, make_rule())
+    assert study.fix_rule(tmp_path, make_rule()) == h  # the same command resumes
+    more = make_rule(seeds=range(8))
+    assert study.fix_rule(tmp_path / "other", more)  # no run began: written
+    write_run(tmp_path, "grpo", 0, 0.7, h)
+    with pytest.raises(ValueError, match=r"seeds: \[0, 1, 2, 3, 4, 5\] -> \[0, 1, .* 7\]"):
+        study.fix_rule(tmp_path, more)
+    assert study.read_rule(tmp_path)["seeds"] == list(range(6))  # untouched
+    new = study.fix_rule(tmp_path, more, amend=True)
+    planted(tmp_path, new, range(1, 6))  # the other runs under the amended rule
+    result = study.report(tmp_path, figure=False)
+    assert result["runs_under_another_rule"] == ["grpo-seed0"] and result["winners"] == []
+
+
+def test_runs_begun_before_any_rule_block_a_winner(tmp_path):
+    planted(tmp_path, None)  # an older study: runs without a recorded hash
+    study.fix_rule(tmp_path, make_rule())
+    result = study.report(tmp_path, figure=False)
+    assert result["beats_baseline"] == ["gear"] and result["winners"] == []
+
+
+def test_the_report_analyses_complete_pairs_and_lists_missing_runs(tmp_path):
+    h = study.fix_rule(tmp_path, make_rule(methods=("grpo", "gear", "rlsd")))
+    planted(tmp_path, h, range(5))
+    write_run(tmp_path, "grpo", 5, BASE[5], h)  # gear seed 5 never ran
+    for s in (0, 1):
+        write_run(tmp_path, "rlsd", s, BASE[s], h)
+    unfinished = tmp_path / "rlsd-seed2"
+    unfinished.mkdir()
+    (unfinished / "summary.json").write_text(json.dumps({"eval_before": {"mean_reward": 0.3}}))
+    result = study.report(tmp_path, figure=False)
+    assert result["missing"] == {"gear": [5], "rlsd": [2, 3, 4, 5]}
+    assert result["comparisons"]["gear"]["seeds"] == [0, 1, 2, 3, 4]
+    assert result["comparisons"]["rlsd"]["bonferroni"]["n"] == 2
+    assert result["gate"]["seeds"] == [0, 1, 2, 3, 4, 5]
+    assert result["verdict"].endswith("; 5 of 18 runs not finished: complete pairs only")
+    md = (tmp_path / "compare.md").read_text()
+    assert "`gear` seeds [5]; `rlsd` seeds [2, 3, 4, 5]" in md
+
+
+def test_a_rule_that_cannot_decide_is_refused_before_any_run(tmp_path):
+    for kw, message in [
+        ({"methods": ("gear", "rlsd")}, "--baseline grpo: not one of"),
+        ({"methods": ("grpo",)}, "two methods or more"),
+        ({"seeds": [0, 0]}, "each value once"),
+        ({"effect": 0.0}, "--effect 0.0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make_rule(**kw)
+    one_step = SimpleNamespace(**{**vars(CFG), "trainer": {"max_steps": 1}})
+    with pytest.raises(ValueError, match="max_steps 1: the learning gate"):
+        study.make_rule(["grpo", "gear"], "grpo", [0, 1], one_step, config=None, overrides={})
+    no_eval = SimpleNamespace(**{**vars(CFG), "eval_n": 0})
+    with pytest.raises(ValueError, match="eval_n is 0"):
+        study.make_rule(["grpo", "gear"], "grpo", [0, 1], no_eval, config=None, overrides={})
+    greedy = SimpleNamespace(**{**vars(CFG), "eval_samples": 0})
+    rule = study.make_rule(["grpo", "gear"], "grpo", [0, 1], greedy, config=None, overrides={})
+    assert rule["metric"] == "pass@1"
+    (tmp_path / "rule.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"rule\.json: not valid JSON"):
+        study.report(tmp_path)
+
+
+def test_plan_reads_the_pilots_finished_pairs(tmp_path):
+    h = study.fix_rule(tmp_path, make_rule())
+    planted(tmp_path, h, range(3))
+    p = study.plan(tmp_path, ["grpo", "gear"], "grpo", 0.05)
+    sd = paired(shifted(GAIN)[:3], BASE[:3])["sd"]
+    assert p["pilot_seeds"] == {"grpo": [0, 1, 2], "gear": [0, 1, 2]}
+    assert p["seeds"] == n_for_power(0.05, sd, 0.05)  # one candidate: alpha 0.05
+    assert f"needed: {p['seeds']} seeds" in study.plan_text(p)
+    with pytest.raises(ValueError, match="no finished pairs"):
+        study.plan(tmp_path / "empty", ["grpo", "gear"], "grpo", 0.05)
+
+
+def git(repo: Path, *args: str) -> None:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}  # fmt: skip
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, env=env)
+
+
+def test_under_git_a_result_committed_before_the_rule_blocks_a_winner(tmp_path):
+    git(tmp_path, "init", "-q")
+    h = study.fix_rule(tmp_path, make_rule())
+    planted(tmp_path, h)
+    git(tmp_path, "add", "-A", "--", ":!rule.json")  # the results first
+    git(tmp_path, "commit", "-qm", "results")
+    git(tmp_path, "add", "rule.json")
+    git(tmp_path, "commit", "-qm", "rule")
+    result = study.report(tmp_path, figure=False)
+    assert result["git"]["blocks"] and result["winners"] == []
+    assert "committed to git before the rule" in result["verdict"]
+
+
+def test_under_git_a_rule_committed_first_lets_the_winner_stand(tmp_path):
+    git(tmp_path, "init", "-q")
+    h = study.fix_rule(tmp_path, make_rule())
+    git(tmp_path, "add", "rule.json")
+    git(tmp_path, "commit", "-qm", "rule")
+    planted(tmp_path, h)
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "results")
+    result = study.report(tmp_path, figure=False)
+    assert not result["git"]["blocks"] and result["git"]["results_committed"] == 12
+    assert result["winners"] == ["gear"]
+
+
+def test_the_gate_fails_without_a_trend_when_a_run_has_one_step():
+    from gear.evidence import learning_gate
+
+    gate = learning_gate([0.3] * 3, [0.6, 0.7, 0.65], [[0.2, 0.4], [0.5], [0.1, 0.3]], min_seeds=2)
+    assert gate["checks"] == {
+        "n >= 2": True,
+        "paired interval above 0": True,
+        "training reward trend > 0": False,
+    }
+    assert not gate["passed"] and gate["reward_slope"]["n"] == 2
