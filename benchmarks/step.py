@@ -69,7 +69,7 @@ from gear.testing import tied_reward
 
 CHECKPOINTING = checkpointing_field(TrainingArguments)  # renamed in transformers 5.18
 GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "contrast", "credit")
-METHODS = ("grpo", "gear", "gear_unshared", "gear_contrast")
+METHODS = ("grpo", "gear", "gear_unshared", "gear_contrast", "gear_before")
 
 
 class StepClock(TrainerCallback):
@@ -127,7 +127,9 @@ def run(
     model = copy.deepcopy(model0)
     clock = StepClock()
     peft_config = lora_config(resolve_values({"lora_r": args.lora}))  # None without --lora
-    if args.tie_share is not None:  # both arms (gear.run's build_trainer reads task.reward)
+    if (
+        getattr(args, "tie_share", None) is not None
+    ):  # both arms (gear.run's build_trainer reads task.reward)
         task = copy.copy(task)
         task.reward = tied_reward(args.tie_share)
     reward = task.reward
@@ -153,6 +155,8 @@ def run(
         ) | (extra or {})
         if method == "gear_contrast":  # the right-answer teacher minus a wrong-answer one
             gear["teacher_context"] = "contrast"
+        if method == "gear_before":  # issue 48's "before": every row scored, LoRA unmerged
+            gear |= {"skip_zero_advantage_rows": False, "merge_lora_passes": False}
         if extra:  # the vLLM arms: gear.run needs the newer transformers of .venv
             from gear.integrations.trl import GEARConfig, GEARTrainer
 
@@ -281,7 +285,8 @@ def main() -> None:
         default="grpo,gear,gear_unshared",
         help="comma-separated, from grpo, gear (prefix sharing on), gear_unshared (off), "
         "gear_contrast (teacher_context='contrast': one more teacher pass, kept under "
-        "'teacher_context_contrast'); grpo and gear are required",
+        "'teacher_context_contrast'), gear_before (no teacher skip, LoRA passes unmerged: "
+        "GEAR before issue 48); grpo and gear are required",
     )
     ap.add_argument("--name", default="step")
     ap.add_argument(
@@ -443,6 +448,25 @@ def main() -> None:
             f"GEAR with the contrast teacher / GRPO: {extra['ratio_contrast']:.3f}, / GEAR: "
             f"{extra['contrast_over_gear']:.3f}   its second teacher pass "
             f"{contrast['contrast_s']:.2f} s"
+        )
+    if "gear_before" in by:
+        old = by["gear_before"]
+        extra |= {
+            "ratio_before": old["wall_s"] / grpo["wall_s"],
+            "ratio_before_cpu": old["cpu_s"] / grpo["cpu_s"],
+            "non_generation_ratio_before": old["non_generation_s"] / grpo["non_generation_s"],
+            "teacher_s_before": old["teacher_s"],
+            "signals_s_before": old["signals_s"],
+            "paired_ratios_before": [
+                p["gear_before"] / p["grpo"]
+                for p in per_pair.values()
+                if {"gear_before", "grpo"} <= set(p)
+            ],
+        }
+        print(
+            f"GEAR before issue 48 (every row scored, LoRA unmerged) / GRPO: "
+            f"{extra['ratio_before']:.3f}   teacher {old['teacher_s']:.2f} s -> "
+            f"{gear['teacher_s']:.2f} s, signals {old['signals_s']:.2f} s -> {gear['signals_s']:.2f} s"
         )
     result = {
         "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},

@@ -35,6 +35,7 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
     args = argparse.Namespace(
         model="tiny", steps=2, completions=4, generations=2, completion_length=4, bf16=False,
         seed=0, learning_rate=1e-2, temperature=1.0, lora=lora,
+        tie_share=0.0,  # rewards that vary (a tiny model's task reward is 0: every row tied)
     )  # fmt: skip
     tok = byte_tokenizer()
     model0 = tiny_model(tok)
@@ -67,11 +68,15 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
         assert ran_teacher == [method != "grpo"] * 2, method
         # only the contrast arm runs (and times) the wrong-answer teacher's pass
         assert [r["contrast_s"] > 0 for r in result] == [method == "gear_contrast"] * 2, method
-    # gear, gear_unshared, gear_contrast
-    assert [a.prefix_sharing for a in built] == [True, False, True]
-    assert [a.teacher_context for a in built] == ["worked_solution"] * 2 + ["contrast"]
+    # gear, gear_unshared, gear_contrast, gear_before
+    assert [a.prefix_sharing for a in built] == [True, False, True, True]
+    assert [a.teacher_context for a in built] == ["worked_solution"] * 2 + ["contrast"] + [
+        "worked_solution"
+    ]
+    assert [a.skip_zero_advantage_rows for a in built] == [True] * 3 + [False]
+    assert [a.merge_lora_passes for a in built] == [True] * 3 + [False]
     assert all(a.credit_method == "gear" and a.credit_log_steps == 0 for a in built)
     assert all(a.save_strategy == "no" and a.learning_rate == 1e-2 for a in built)
-    assert len(adapters) == 4 and all(
+    assert len(adapters) == 5 and all(
         [c.r for c in a.values()] == ([lora] if lora else []) for a in adapters
     )
