@@ -213,7 +213,7 @@ def test_prefix_sharing_is_exact_for_each_position_scheme(family, monkeypatch):
     ids, mask, T = padded_batch()
     chunks = []
     real = prefix._chunk_hidden
-    monkeypatch.setattr(prefix, "_chunk_hidden", lambda *a: chunks.append(1) or real(*a))
+    monkeypatch.setattr(prefix, "_chunk_hidden", lambda *a, **k: chunks.append(1) or real(*a, **k))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         got = prefix_shared_hidden(model, ids, mask, T, batch_size=4)

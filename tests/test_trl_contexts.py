@@ -148,7 +148,12 @@ def test_contrast_advantages_equal_the_credit_core_on_the_two_kls(tmp_path, tok,
     assert torch.count_nonzero(got) > 0
     torch.testing.assert_close(got, oracle(True).to(got.dtype), atol=1e-5, rtol=1e-4)
     assert not torch.allclose(got, oracle(False).to(got.dtype), atol=1e-4)  # contrast mattered
-    torch.testing.assert_close(kwargs["contrast_kl"][mask], wrong.kl[mask], atol=1e-5, rtol=1e-4)
+    # the rows with advantage 0 got no teacher pass (the skip): their KLs are 0, not computed
+    scored = kwargs["scored"].bool()[:, None] & mask
+    torch.testing.assert_close(
+        kwargs["contrast_kl"][scored], wrong.kl[scored], atol=1e-5, rtol=1e-4
+    )
+    assert bool((kwargs["contrast_kl"][mask & ~scored] == 0).all())
 
 
 # ----------------------------------------------------------------------------- refused settings

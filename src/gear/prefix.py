@@ -184,17 +184,16 @@ def _chunk_hidden(
     group: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
-    width: int,
+    width: int | None = None,
 ) -> Tensor | None:
     """(b, T, H) for one chunk of b rows: its unique prefixes in one pass with a cache, each
-    left-padded to the batch's prefix `width` (so a row's states do not depend on which rows
-    share its chunk: the teacher skip's passes equal the full batch's bit for bit), then the
-    completion tokens 0..T-2 over the gathered cache. None if the model's cache cannot be
-    shared."""
+    left-padded to the batch's prefix `width` (None: the chunk's longest prefix; a fixed width
+    keeps a row's padding independent of which rows share its chunk), then the completion
+    tokens 0..T-2 over the gathered cache. None if the model's cache cannot be shared."""
     device = completion_ids.device
     used, local = torch.unique(group, return_inverse=True)  # the chunk's prefixes, row -> local
     chunk = [prefixes[i] for i in used.tolist()]
-    P = width
+    P = width if width is not None else max(len(ids) for ids, _ in chunk)
     ids = torch.zeros(len(chunk), P, dtype=torch.long)
     mask = torch.zeros(len(chunk), P, dtype=torch.long)
     for i, (p_ids, p_mask) in enumerate(chunk):

@@ -70,6 +70,16 @@ def merged_lora(model: nn.Module) -> Iterator[int]:
     differentiate through the swapped weights."""
     if torch.is_grad_enabled():
         raise RuntimeError("merged_lora: for no-grad forwards only; use torch.no_grad()")
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        PeftModel = ()
+    if not isinstance(model, PeftModel):
+        # not a PEFT model itself: a plain model, or a wrapper that runs the policy its own way
+        # (gear's AdapterTeacher disables or swaps the adapter inside its forward, and peft's
+        # `disable_adapter` would not re-enable layers it found disabled)
+        yield 0
+        return
     layers = [m for m in model.modules() if _mergeable(m)]
     swapped: dict[nn.Module, Tensor] = {}
     handles: list[Any] = []

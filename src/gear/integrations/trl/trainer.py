@@ -452,7 +452,11 @@ class GEARTrainer(GRPOTrainer):
         student_hidden = self._student.take(output)
         if scored is not None:
             rows = scored.nonzero().squeeze(1)
-            if rows.numel() == 0:  # every row tied: nothing to score
+            if rows.numel() == 0:  # every row tied: nothing to score, every pass took 0 s
+                for name in ("time_student", "time_teacher", "time_signals", "teacher_tokens"):
+                    stats[f"gear/{name}"] = 0.0
+                if contrast is not None:
+                    stats["gear/time_contrast"] = 0.0
                 return _unscored_signals(valid, with_teacher=teacher is not None, contrast=contrast)
             signals = self._scored_signals(
                 _rows_of(output, rows),
