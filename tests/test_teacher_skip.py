@@ -185,3 +185,31 @@ def test_core_refuses_an_unscored_row_that_carries_advantage():
         credit_details(torch.tensor([1.0, 0.0]), valid, entropy=kl,
                        params=CreditParams(method="entropy_top"),
                        scored=torch.tensor([True, False]))  # fmt: skip
+
+
+class _TwoProcesses:
+    """An accelerator of 2 processes whose other process scores `other` rows."""
+
+    num_processes = 2
+
+    def __init__(self, other: int):
+        self.other = other
+
+    def gather(self, t):
+        return torch.cat([t, torch.tensor([self.other])])
+
+
+def test_every_process_scores_as_many_rows_as_the_busiest():
+    """A forward is collective under DDP's buffer sync, ZeRO-3 and FSDP: a process with fewer
+    advantaged rows fills up with tied ones, in order, so every process runs the same passes."""
+    from gear.integrations.trl.credit import scored_rows
+
+    adv = torch.tensor([0.0, 0.5, 0.0, 0.0, -0.5, 0.0])
+    params = CreditParams()
+    assert scored_rows(adv, params, True).tolist() == [False, True, False, False, True, False]
+    filled = scored_rows(adv, params, True, _TwoProcesses(other=4))
+    assert filled.tolist() == [True, True, True, False, True, False]  # 4 rows: 2 tied added
+    assert scored_rows(adv, params, True, _TwoProcesses(other=1)).sum() == 2  # already busiest
+    assert scored_rows(torch.zeros(6), params, True, _TwoProcesses(other=0)).sum() == 0
+    assert scored_rows(adv, params, False, _TwoProcesses(other=4)) is None
+    assert scored_rows(adv, CreditParams(method="entropy_top"), True) is None

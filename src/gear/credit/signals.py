@@ -385,6 +385,22 @@ def use_fold(kernel: str, estimator: str, device: torch.device) -> bool:
     return kernel == "fold"
 
 
+def _student_shapes(
+    student_hidden: Tensor, lm_head_weight: Tensor, token_ids: Tensor
+) -> tuple[int, int, int, int]:
+    """(N, T, H, V) after checking (N, T, H) hidden states, a (V, H) head and (N, T) ids."""
+    if student_hidden.dim() != 3:
+        raise ValueError(f"student_hidden: expected (N, T, H), got {tuple(student_hidden.shape)}")
+    N, T, H = student_hidden.shape
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
+        raise ValueError(
+            f"lm_head_weight: expected shape (V, {H}), got {tuple(lm_head_weight.shape)}"
+        )
+    if tuple(token_ids.shape) != (N, T):
+        raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
+    return N, T, H, lm_head_weight.shape[0]
+
+
 def _fold_signals(
     student_hidden: Tensor,
     teacher_hidden: Tensor | None,
@@ -401,16 +417,7 @@ def _fold_signals(
     """`signals_from_hidden` by `gear.credit.fold.fold_signals`, at the `mask` positions."""
     from gear.credit.fold import fold_signals
 
-    if student_hidden.dim() != 3:
-        raise ValueError(f"student_hidden: expected (N, T, H), got {tuple(student_hidden.shape)}")
-    N, T, H = student_hidden.shape
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
-        raise ValueError(
-            f"lm_head_weight: expected shape (V, {H}), got {tuple(lm_head_weight.shape)}"
-        )
-    V = lm_head_weight.shape[0]
-    if tuple(token_ids.shape) != (N, T):
-        raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
+    N, T, H, V = _student_shapes(student_hidden, lm_head_weight, token_ids)
     hs, ht = student_hidden.reshape(N * T, H), None
     if teacher_hidden is not None:
         if teacher_hidden.dim() != 3 or teacher_hidden.shape[:2] != (N, T):
@@ -462,15 +469,7 @@ def _student_signals(
     softcap: float | None,
 ) -> TokenSignals:
     """Entropy and log-probs of the student alone (no teacher forward needed)."""
-    if student_hidden.dim() != 3:
-        raise ValueError(f"student_hidden: expected (N, T, H), got {tuple(student_hidden.shape)}")
-    N, T, H = student_hidden.shape
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
-        raise ValueError(
-            f"lm_head_weight: expected shape (V, {H}), got {tuple(lm_head_weight.shape)}"
-        )
-    if tuple(token_ids.shape) != (N, T):
-        raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
+    N, T, H, _ = _student_shapes(student_hidden, lm_head_weight, token_ids)
     hs = student_hidden.reshape(N * T, H)
     w_s = lm_head_weight.to(hs.dtype)
     return _run(

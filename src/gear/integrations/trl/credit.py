@@ -90,15 +90,31 @@ def batch_credit(
     return CreditDetails(**local, stats=details.stats)
 
 
-def scored_rows(advantages: Tensor, params: CreditParams, skip: bool) -> Tensor | None:
+def scored_rows(
+    advantages: Tensor, params: CreditParams, skip: bool, accelerator: Any = None
+) -> Tensor | None:
     """(B,) bool: the rows whose signals the credit method reads, so the teacher, contrast,
     influence and signal passes need to run on them only: those with a non-zero sequence
     advantage when the method reads advantaged rows only (`CreditParams.signal_rows`); the
     others' token advantages are 0 under any weights. None: every row (`skip` off, or a method
-    that reads all rows)."""
+    that reads all rows).
+
+    With several processes every one scores as many rows as the busiest (tied rows fill up the
+    difference, in order): a forward is collective under DDP's buffer sync, ZeRO-3 and FSDP,
+    so every process must run the same number of them."""
     if not skip or params.signal_rows != "advantaged":
         return None
-    return advantages != 0
+    scored = advantages != 0
+    if accelerator is None or accelerator.num_processes == 1:
+        return scored
+    count = scored.sum().reshape(1)
+    most = int(accelerator.gather(count).max())
+    missing = most - int(count)
+    if missing > 0:  # fill up with tied rows: their signals are computed and then unused
+        filler = (~scored).nonzero().squeeze(1)[:missing]
+        scored = scored.clone()
+        scored[filler] = True
+    return scored
 
 
 def without_unhinted_rows(signals: TokenSignals, has_hint: Tensor) -> TokenSignals:

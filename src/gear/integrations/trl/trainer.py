@@ -367,7 +367,10 @@ class GEARTrainer(GRPOTrainer):
         # the rows the credit method reads: tied rows (advantage 0) get no teacher, contrast,
         # influence or signal pass (`skip_zero_advantage_rows`)
         scored = scored_rows(
-            output["advantages"], self.credit_params, self.args.skip_zero_advantage_rows
+            output["advantages"],
+            self.credit_params,
+            self.args.skip_zero_advantage_rows,
+            self.accelerator,
         )
         if self._needs_signals:
             signals = self._token_signals(output, teacher, valid, mode, stats, contrast, scored)
