@@ -192,8 +192,10 @@ def test_vllm_colocate_signals_equal_a_student_forward_and_training_changes_para
         sources.append(real_plan(need))
         return sources[-1]
 
-    def spy(output, teacher, valid, mode, stats, contrast=None):
-        signals = real_token_signals(output, teacher, valid, mode, stats, contrast)
+    def spy(output, teacher, valid, mode, stats, contrast=None, scored=None):
+        signals = real_token_signals(output, teacher, valid, mode, stats, contrast, scored)
+        if scored is not None:  # rows with advantage 0 got no pass (the teacher skip)
+            valid = valid & scored[:, None]
         # vLLM sampled the batch with the trainer's weights (pushed before it, in bfloat16)
         _assert_vllm_has_the_policy_weights(trainer)
         naive = _naive_signals(trainer, output, teacher)
@@ -452,9 +454,11 @@ def test_vllm_teacher_colocate_step_scores_on_vllm_and_logs_the_trainers_metrics
         forwards.append(input_ids.size(1))
         return real_final_hidden(model, input_ids, *args, **kw)
 
-    def spy(output, teacher, valid, mode, stats, contrast=None):
+    def spy(output, teacher, valid, mode, stats, contrast=None, scored=None):
         forwards.clear()
-        signals = real_token_signals(output, teacher, valid, mode, stats, contrast)
+        signals = real_token_signals(output, teacher, valid, mode, stats, contrast, scored)
+        if scored is not None:  # rows with advantage 0 got no pass (the teacher skip)
+            valid = valid & scored[:, None]
         # no forward read the teacher input (the student's may run: prompt + completion width)
         assert teacher[0].size(1) not in forwards
         naive = _naive_signals(trainer, output, teacher)  # float32 trainer, T = 1
