@@ -293,7 +293,7 @@ def test_compare_trains_methods_x_seeds_and_writes_the_report(tiny_dir, tmp_path
     assert not (out / "grpo-seed2").exists()
     bad = runner.invoke(app, ["compare", "--methods", "grpo", "--methods", "magic", "--out",
                               str(tmp_path / "bad")])  # fmt: skip
-    assert bad.exit_code == 2 and "CreditParams.method" in bad.output
+    assert bad.exit_code == 2 and "GEARConfig.credit_method" in bad.output
     assert not (tmp_path / "bad").exists()  # refused before the rule or any run
     plan = runner.invoke(app, ["compare", "--plan", "--effect", "0.5", "--out", str(out)])
     assert plan.exit_code == 0, plan.output
@@ -335,7 +335,8 @@ def test_compare_trains_methods_x_seeds_and_writes_the_report(tiny_dir, tmp_path
         (["train", "--set", "ema_decay=2"], "'ema_decay' (GEARConfig field): got 2"),
         (["train", "--set", "top_p=1.5"], "expected a value in (0, 1]"),
         (["train", "--task", "poetry"], "unknown task 'poetry'"),
-        (["train", "--method", "magic"], "CreditParams.method"),
+        (["train", "--method", "magic"], "GEARConfig.credit_method"),
+        (["train", "--set", "credit_method=magic"], "GEARConfig.credit_method: expected one of"),
         (["train", "no_such_config"], "config 'no_such_config'"),
         (["inspect", "/nonexistent"], "no credit/ directory"),
     ],
@@ -348,3 +349,12 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(args, message, tiny_dir, 
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert not out.exists()
+
+
+def test_help_lists_every_shipped_recipe():
+    """The recipe list in --help comes from the package, so a new recipe cannot be missing."""
+    from gear.run import recipe_names
+
+    for command in ("train", "compare"):
+        text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=200).output.split())
+        assert all(name in text for name in recipe_names()), (command, text)

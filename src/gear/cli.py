@@ -101,6 +101,9 @@ class _Commands(TyperGroup):
             _fail(str(e))
 
 
+#: the recipes shipped in the package (gear/configs/*.yaml), listed in --help so it cannot drift
+_RECIPES = ", ".join(sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml")))
+
 app = _Gear(
     cls=_Commands,
     add_completion=False,
@@ -190,7 +193,7 @@ def _labels(**named: Any) -> dict[str, str]:
 def train(
     config: Annotated[
         str | None,
-        typer.Argument(help="A YAML file or a recipe shipped with gear: default, study."),
+        typer.Argument(help=f"A YAML file or a recipe shipped with gear: {_RECIPES}."),
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
@@ -491,7 +494,7 @@ def compare(
     ] = ["grpo", "gear"],  # noqa: B006
     seeds: Annotated[list[int], typer.Option(help="Seeds (repeat the option).")] = [0, 1, 2],  # noqa: B006
     config: Annotated[
-        str | None, typer.Option(help="Base config (a file, or a shipped recipe: study).")
+        str | None, typer.Option(help=f"Base config (a file, or a shipped recipe: {_RECIPES}).")
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,13 +242,22 @@ class GEARConfig(GRPOConfig):
         """The `credit_*` fields as a validated `CreditParams` (`contrast` set by
         `teacher_context='contrast'`)."""
         values = {name: getattr(self, f"credit_{name}") for name in _CREDIT_FIELDS}
-        return CreditParams(**values, contrast=self.teacher_context == "contrast")
+        try:
+            return CreditParams(**values, contrast=self.teacher_context == "contrast")
+        except ValueError as e:  # name the key the user set, not CreditParams' own field
+            raise ValueError(re.sub(r"\bCreditParams\.(\w+)", _config_key, str(e))) from None
 
     @property
     def hint_column(self) -> str:
         """The column (or environment attribute) that fills the teacher hint under
         `teacher_context`: `answer_column` for the answer contexts, else `ground_truth_column`."""
         return self.answer_column if uses_answer(self.teacher_context) else self.ground_truth_column
+
+
+def _config_key(match: re.Match) -> str:
+    """`CreditParams.<field>` -> the GEARConfig key that sets it."""
+    field = match.group(1)
+    return "GEARConfig.teacher_context" if field == "contrast" else f"GEARConfig.credit_{field}"
 
 
 def check_vllm_teacher(args: GEARConfig) -> None:
