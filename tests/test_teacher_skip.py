@@ -213,3 +213,48 @@ def test_every_process_scores_as_many_rows_as_the_busiest():
     assert scored_rows(torch.zeros(6), params, True, _TwoProcesses(other=0)).sum() == 0
     assert scored_rows(adv, params, False, _TwoProcesses(other=4)) is None
     assert scored_rows(adv, CreditParams(method="entropy_top"), True) is None
+
+
+def _record(step, row, advantage, valid_len, onset_at=None, skipped=False):
+    n = 8
+    rec = {
+        "step": step, "row": row, "advantage": advantage, "valid": [i < valid_len for i in range(n)],
+        "onset": [i == onset_at for i in range(n)],
+    }  # fmt: skip
+    if skipped:
+        rec["skipped"] = True
+    return rec
+
+
+def test_the_trajectory_shows_a_row_where_credit_acts():
+    """Issue 50 item 5: not the last record (a tied or unscored row shows weight 1 and nothing
+    else) but a failed row with an onset, of typical length, from the latest step with one."""
+    from gear.viz.record import trajectory_row
+
+    records = [
+        _record(10, 0, -1.0, 5, onset_at=2),  # an older step
+        _record(12, 0, -0.5, 2, onset_at=1),  # failed with an onset, short
+        _record(12, 1, -0.5, 6, onset_at=3),  # failed with an onset, typical: this one
+        _record(12, 2, 0.5, 6, onset_at=2),  # succeeded
+        _record(12, 3, 0.0, 6, skipped=True),  # tied, unscored (the old pick: records[-1])
+    ]
+    pick, why = trajectory_row(records)
+    assert (pick["step"], pick["row"]) == (12, 1) and "failed row with a KL onset" in why
+    only_tied = [_record(3, 0, 0.0, 4, skipped=True), _record(3, 1, 0.0, 4, skipped=True)]
+    pick, why = trajectory_row(only_tied)
+    assert pick is only_tied[-1] and "no recorded row" in why
+    no_onset = [_record(5, 0, 0.7, 3), _record(5, 1, -0.7, 4)]
+    assert trajectory_row(no_onset)[0]["row"] in (0, 1)
+
+
+def test_the_credit_record_keeps_rows_where_credit_acts():
+    from gear.credit import credit_details
+    from gear.integrations.trl.records import record_rows
+
+    valid = torch.arange(6)[None] < torch.tensor([[6], [1], [4], [5], [6], [2]])
+    adv = torch.tensor([0.0, 0.8, -0.8, 0.8, 0.0, -0.8])
+    kl = torch.rand(6, 6)
+    details = credit_details(adv, valid, kl=kl, entropy=kl, scored=adv != 0)
+    # acting rows 1, 2, 3, 5 (lengths 1, 4, 5, 2; median 4): 2 and 3 are the typical ones
+    assert record_rows(details, adv, 2) == [2, 3]
+    assert record_rows(details, adv, 5) == [0, 1, 2, 3, 5]  # then a tied row (0: nearest 4)

@@ -403,7 +403,7 @@ def inspect(
     )
     from gear.viz.html import write_credit_html
     from gear.viz.plots import plot_trajectory
-    from gear.viz.record import read_credit_records
+    from gear.viz.record import read_credit_records, trajectory_row
 
     if not (run_dir / "credit").is_dir():
         if not is_run_dir(run_dir):
@@ -424,8 +424,10 @@ def inspect(
     if not records:
         _fail(f"{run_dir / 'credit'}: no credit records yet")
     page = write_credit_html(run_dir, out)
-    fig = plot_trajectory(records[-1], run_dir / "plots" / "figure2.png")
+    record, why = trajectory_row(records)
+    fig = plot_trajectory(record, run_dir / "plots" / "figure2.png", why)
     console.print(f"wrote {page} ({len(records)} rows) and {fig}")
+    console.print(f"{fig.name}: step {record['step']}, row {record['row']}: {why}", highlight=False)
 
 
 @app.command()

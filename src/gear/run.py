@@ -984,10 +984,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
 
 
 def render_outputs(run_dir: Path) -> list[Path]:
-    """Plots of metrics.jsonl, and the trajectory of the last credit record (the latest step's
-    last recorded row), under RUN_DIR/plots."""
+    """Plots of metrics.jsonl, and the trajectory of one credit record (picked by
+    `gear.viz.record.trajectory_row`: a row where credit acts), under RUN_DIR/plots."""
     from gear.viz.plots import plot_metrics, plot_trajectory
-    from gear.viz.record import read_credit_records
+    from gear.viz.record import read_credit_records, trajectory_row
 
     out = run_dir / "plots"
     paths = (
@@ -997,5 +997,7 @@ def render_outputs(run_dir: Path) -> list[Path]:
     )
     records = read_credit_records(run_dir) if (run_dir / "credit").is_dir() else []
     if records:
-        paths.append(plot_trajectory(records[-1], out / "trajectory.png"))
+        record, why = trajectory_row(records)
+        paths.append(plot_trajectory(record, out / "trajectory.png", why))
+        print(f"gear: trajectory.png shows step {record['step']}, row {record['row']}: {why}")
     return paths

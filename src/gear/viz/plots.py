@@ -36,12 +36,13 @@ def _runs(values: Sequence[Any]) -> list[tuple[int, int, Any]]:
     return runs
 
 
-def plot_trajectory(record: dict[str, Any], path: str | Path) -> Path:
+def plot_trajectory(record: dict[str, Any], path: str | Path, why: str | None = None) -> Path:
     """The paper's Figure-2 view of one credit record (contracts format).
 
     x = token index (0 .. T_row-1); normalised KL (red) and entropy (blue) on the left axis,
     weights (green steps) on a twin axis; onsets as vertical lines, segments shaded by id,
-    observation (invalid) tokens shaded grey. Returns the PNG path.
+    observation (invalid) tokens shaded grey. `why`: why this row was picked
+    (`gear.viz.record.trajectory_row`), written under the title. Returns the PNG path.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +96,8 @@ def plot_trajectory(record: dict[str, Any], path: str | Path) -> Path:
         f"advantage {adv if adv is None else f'{adv:+.3f}'}",
         loc="left", fontsize=10,
     )  # fmt: skip
+    if why:
+        fig.text(0.01, 1.0, f"picked: {why}", fontsize=8, color="#555", va="bottom")
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -167,3 +167,40 @@ def read_credit_records(run_dir_or_file: str | Path) -> list[dict[str, Any]]:
                 raise InputError(f, f"line {n} is not a record (a JSON object)", CREDIT_TODO)
             records.append(record)
     return sorted(records, key=lambda r: (r.get("step", 0), r.get("row", 0)))
+
+
+def trajectory_row(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """The record the run's trajectory plot shows, and why, by a stated rule: the latest step
+    that recorded a scored row with a non-zero advantage (credit acts only there; a tied row's
+    weights multiply 0); in it, a failed row (A < 0) with a KL onset if there is one, else any
+    row with an onset, else any such row; among those, the one whose length is closest to the
+    median length of the step's scored rows (ties: the first). Without any such row, the last
+    record. `records`: `read_credit_records` output, sorted by (step, row)."""
+    if not records:
+        raise ValueError("records: expected at least one credit record, got none")
+
+    def acts(r: dict[str, Any]) -> bool:
+        return not r.get("skipped") and bool(r.get("advantage")) and any(r["valid"])
+
+    steps = sorted({r["step"] for r in records if acts(r)})
+    if not steps:
+        return records[-1], "the last record (no recorded row has a non-zero advantage)"
+    step = steps[-1]
+    rows = [r for r in records if r["step"] == step and acts(r)]
+    lengths = sorted(sum(r["valid"]) for r in rows)
+    median = lengths[len(lengths) // 2]
+    kinds = (
+        ("a failed row with a KL onset", lambda r: r["advantage"] < 0 and any(r["onset"])),
+        ("a row with a KL onset", lambda r: any(r["onset"])),
+        ("a row with a non-zero advantage", lambda r: True),
+    )
+    for kind, keep in kinds:
+        pool = [r for r in rows if keep(r)]
+        if pool:
+            pick = min(pool, key=lambda r: abs(sum(r["valid"]) - median))
+            why = (
+                f"{kind} of the latest step with one ({step}), the length nearest the "
+                f"median of its {len(rows)} scored rows ({sum(pick['valid'])} vs {median} tokens)"
+            )
+            return pick, why
+    raise AssertionError("unreachable: the last kind keeps every row")

@@ -46,7 +46,7 @@ def write_batch_record(
     `advantages` and (B,) `rewards` (`local_rewards`)."""
     ids = output["completion_ids"].cpu()
     real = output["completion_mask"].bool().cpu() | details.valid.cpu()
-    rows = list(range(min(n_rows, ids.size(0))))
+    rows = record_rows(details, advantages, n_rows)
     tokens: list[list[str]] = [[] for _ in range(ids.size(0))]
     completions: list[str] = [""] * ids.size(0)
     for i in rows:
@@ -70,6 +70,21 @@ def write_batch_record(
         completion_mask=output["completion_mask"],
     )
     write_credit_record(credit_record_path(output_dir, step), records)
+
+
+def record_rows(details: CreditDetails, advantages: Tensor, n: int) -> list[int]:
+    """The `n` rows a credit record keeps, by a stated rule: rows where credit acts (a non-zero
+    advantage, scored) before tied ones, and among each, those whose policy length is nearest
+    the median of the acting rows first (a typical row, not the shortest); in row order."""
+    valid = details.valid.cpu()
+    lengths = valid.sum(dim=1).tolist()
+    acts = (advantages.cpu() != 0).tolist()
+    if details.skipped_rows is not None:
+        acts = [a and not s for a, s in zip(acts, details.skipped_rows.cpu().tolist(), strict=True)]
+    acting = sorted(length for length, a in zip(lengths, acts, strict=True) if a)
+    median = acting[len(acting) // 2] if acting else 0
+    order = sorted(range(len(lengths)), key=lambda i: (not acts[i], abs(lengths[i] - median), i))
+    return sorted(order[:n])
 
 
 def local_rewards(rewards: Tensor, weights: Tensor, process_index: int, n: int) -> Tensor:
