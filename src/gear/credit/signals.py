@@ -315,6 +315,21 @@ def signals_from_hidden(
     """
     _validate(estimator, temperature, chunk_size)
     _validate_softcap(softcap)
+    N, T, H, V = _student_shapes(student_hidden, lm_head_weight, token_ids)
+    if teacher_hidden is not None:
+        if teacher_hidden.dim() != 3 or teacher_hidden.shape[:2] != (N, T):
+            raise ValueError(
+                f"teacher_hidden: expected (N, T, H_t) with the student's (N, T) = {(N, T)}, "
+                f"got {tuple(teacher_hidden.shape)}"
+            )
+        H_t = teacher_hidden.shape[2]
+        if teacher_lm_head_weight is None:
+            teacher_lm_head_weight, teacher_lm_head_bias = lm_head_weight, lm_head_bias
+        if tuple(teacher_lm_head_weight.shape) != (V, H_t):
+            raise ValueError(
+                f"teacher_lm_head_weight: expected shape ({V}, {H_t}) (same vocabulary as the "
+                f"student), got {tuple(teacher_lm_head_weight.shape)}"
+            )
     if use_fold(kernel, estimator, student_hidden.device):
         return _fold_signals(
             student_hidden, teacher_hidden, lm_head_weight, lm_head_bias, teacher_lm_head_weight,
@@ -325,27 +340,6 @@ def signals_from_hidden(
             student_hidden, lm_head_weight, lm_head_bias, token_ids, temperature, chunk_size,
             mask, softcap,
         )  # fmt: skip
-    if student_hidden.dim() != 3 or teacher_hidden.shape[:2] != student_hidden.shape[:2]:
-        raise ValueError(
-            f"teacher_hidden: expected (N, T, H_t) with the student's (N, T) = "
-            f"{tuple(student_hidden.shape[:2])}, got {tuple(teacher_hidden.shape)}"
-        )
-    N, T, H = student_hidden.shape
-    H_t = teacher_hidden.shape[2]
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != H:
-        raise ValueError(
-            f"lm_head_weight: expected shape (V, {H}), got {tuple(lm_head_weight.shape)}"
-        )
-    V = lm_head_weight.shape[0]
-    if teacher_lm_head_weight is None:
-        teacher_lm_head_weight, teacher_lm_head_bias = lm_head_weight, lm_head_bias
-    if tuple(teacher_lm_head_weight.shape) != (V, H_t):
-        raise ValueError(
-            f"teacher_lm_head_weight: expected shape ({V}, {H_t}) (same vocabulary as the "
-            f"student), got {tuple(teacher_lm_head_weight.shape)}"
-        )
-    if tuple(token_ids.shape) != (N, T):
-        raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
     hs, ht = student_hidden.reshape(N * T, H), teacher_hidden.reshape(N * T, H_t)
     w_s = lm_head_weight.to(hs.dtype)
     w_t = w_s if teacher_lm_head_weight is lm_head_weight else teacher_lm_head_weight.to(ht.dtype)
@@ -414,26 +408,13 @@ def _fold_signals(
     mask: Tensor | None,
     softcap: float | None,
 ) -> TokenSignals:
-    """`signals_from_hidden` by `gear.credit.fold.fold_signals`, at the `mask` positions."""
+    """`signals_from_hidden` by `gear.credit.fold.fold_signals`, at the `mask` positions (the
+    shapes checked by the caller; a teacher head given whenever teacher states are)."""
     from gear.credit.fold import fold_signals
 
-    N, T, H, V = _student_shapes(student_hidden, lm_head_weight, token_ids)
-    hs, ht = student_hidden.reshape(N * T, H), None
-    if teacher_hidden is not None:
-        if teacher_hidden.dim() != 3 or teacher_hidden.shape[:2] != (N, T):
-            raise ValueError(
-                f"teacher_hidden: expected (N, T, H_t) with the student's (N, T) = {(N, T)}, "
-                f"got {tuple(teacher_hidden.shape)}"
-            )
-        H_t = teacher_hidden.shape[2]
-        if teacher_lm_head_weight is None:
-            teacher_lm_head_weight, teacher_lm_head_bias = lm_head_weight, lm_head_bias
-        if tuple(teacher_lm_head_weight.shape) != (V, H_t):
-            raise ValueError(
-                f"teacher_lm_head_weight: expected shape ({V}, {H_t}) (same vocabulary as the "
-                f"student), got {tuple(teacher_lm_head_weight.shape)}"
-            )
-        ht = teacher_hidden.reshape(N * T, H_t)
+    N, T, H = student_hidden.shape
+    hs = student_hidden.reshape(N * T, H)
+    ht = None if teacher_hidden is None else teacher_hidden.reshape(N * T, -1)
     ids = token_ids.reshape(-1)
     positions = _positions(mask, (N, T))
     if positions is not None:
