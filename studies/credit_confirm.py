@@ -9,11 +9,11 @@ same rollouts as the gym's localisation readout) and of SmolLM2-135M (the on-pol
 `studies/localization.py natural`), and says, per KL estimator, where the KL mass, the
 onsets and the extra blame of `gear`, `gear_departure` and `gear_departure_point` fall
 relative to the first wrong step: before it, on it, after it. Writes
-benchmarks/results/credit_diagnosis.json and docs/credit_diagnosis.png.
+studies/results/credit_diagnosis.json and docs/credit_diagnosis.png.
 
 `confirm` runs the pre-registered gym grid (`ARMS` x `SEEDS` at each of `LENGTHS`; every
 finished (arm, seed) run is kept by `gear.gym`, so a stopped grid resumes), the SmolLM2
-localisation with its placebo, applies the rule and writes benchmarks/results/credit_confirm.json.
+localisation with its placebo, applies the rule and writes studies/results/credit_confirm.json.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))
 import localization as loc  # noqa: E402  (the on-policy study: SmolLM2's failed rows)
 import onpolicy  # noqa: E402
 
-RESULTS = HERE.parent / "benchmarks" / "results"  # where BENCHMARKS.md and the README cite them
+RESULTS = HERE / "results"  # where docs/evidence and the README cite them
 DOCS = HERE.parent / "docs"
 METHODS = ("gear", "gear_departure", "gear_departure_point")
 OFFSETS = range(-3, 4)  # steps relative to the first wrong step

@@ -6,7 +6,7 @@
     python studies/gym.py --sweep 0.05 0.1 0.2 0.4
     python studies/gym.py --hint answer_only      # the teacher sees the final result alone
 
-Writes benchmarks/results/gym.json (gym_answer_only.json with --hint answer_only; or --out) and plots under benchmarks/results/gym/.
+Writes studies/results/gym.json (gym_answer_only.json with --hint answer_only; or --out) and plots under studies/results/gym/.
 See docs/gym.md.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from gear.gym import run, table
 from gear.gym.task import HINTS
 
-RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"  # where docs cite them
+RESULTS = Path(__file__).parent / "results"  # where docs cite them
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ failed row's largest weight lands (token slot of the step "p+x=r;", before / at 
 checker's first wrong token, and whether that token was right), the k1 KL and the student's
 log-probability there, and the same log-probability after the update. Every `--eval-every`
 steps: held-out exact accuracy and the student's entropy and log-probability of the right
-solution per slot. Writes benchmarks/results/gym_divergence.json. See
+solution per slot. Writes studies/results/gym_divergence.json. See
 docs/evidence/2026-11-26-gym-fair.md.
 """
 
@@ -29,7 +29,7 @@ import gear.gym.train as gt
 from gear.gym.model import ModelConfig, WarmStart, completion_logits, exact_accuracy, warm_start
 from gear.gym.task import STEP_LEN, ChainTask
 
-RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).parent / "results"
 SHARP = "gear_departure_blame@estimator=k1,modulation=exp,beta=2,w_min=0,w_max=10"
 SLOTS = ("prev", "+", "operand", "=", "result", ";")
 

@@ -5,7 +5,7 @@ docs/evidence/2026-11-26-gym-fair.md).
     OMP_NUM_THREADS=1 nohup python studies/gym_fair.py > gym_fair.log 2>&1 &   # resumable
     python studies/gym_fair.py --summary-only                                  # re-read the JSONs
 
-Writes benchmarks/results/gym_fair/{all_steps,answer_only}.json (`gear.gym.run`'s result: every
+Writes studies/results/gym_fair/{all_steps,answer_only}.json (`gear.gym.run`'s result: every
 run's curve and each arm's `seed_table`) and summary.json (the pre-registered read-out). A
 stopped run resumes: every finished (arm, seed) run is kept under ~/.cache/gear/gym/runs/.
 """
@@ -27,7 +27,7 @@ from gear.evidence import t_interval
 from gear.gym import _finite, run
 from gear.gym.model import WarmStart
 
-OUT = Path(__file__).parent.parent / "benchmarks" / "results" / "gym_fair"
+OUT = Path(__file__).parent / "results" / "gym_fair"
 CONDITIONS = ("all_steps", "answer_only")
 SHARP = "gear_departure_blame@estimator=k1,modulation=exp,beta=2,w_min=0,w_max=10"
 ARMS = {  # name in the read-out -> arm spec

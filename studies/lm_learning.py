@@ -4,7 +4,7 @@ The rule, written before any run: docs/evidence/2026-11-26-lm-learning-rule.md. 
 `gear train` on the shipped recipe (GEARTrainer, one thread, a subprocess) with one arm's keys;
 arms are paired by seed and go round by round (seed 0 of every arm, then seed 1, ...), so a
 stop leaves complete pairs. Each finished run's record is written to
-`benchmarks/results/lm_learning_runs/<arm>-seed<s>.json` (commit it as it lands); a stopped run
+`studies/results/lm_learning_runs/<arm>-seed<s>.json` (commit it as it lands); a stopped run
 resumes from its checkpoint. `grpo` seeds 0-7 and `gear` seeds 0-4 are issue 35's runs of the
 identical config, reused as the rule says.
 
@@ -19,8 +19,8 @@ The grid runs from a fixed checkout of the rule's code, so that later edits cann
 arm mid-grid (each record names its commit); records land in this tree's folder:
 
     git worktree add ../grid 8347d70
-    ln -sfn "$PWD/benchmarks/results/lm_learning_runs" ../grid/benchmarks/results/lm_learning_runs
-    cp benchmarks/results/teacher_contexts.json ../grid/benchmarks/results/  # C*: the complete one
+    ln -sfn "$PWD/studies/results/lm_learning_runs" ../grid/studies/results/lm_learning_runs
+    cp studies/results/teacher_contexts.json ../grid/benchmarks/results/  # C*: the complete one
     (cd ../grid && PYTHONPATH=src OMP_NUM_THREADS=1 ../main/.venv/bin/python studies/lm_learning.py grid)
 """
 
@@ -200,7 +200,7 @@ def record(arm: str, seed: int) -> dict | None:
         name = REUSED[arm][0].format(seed=seed)
         return json.loads((lm_recipe.RECORDS / f"{name}.json").read_text()) | {
             "arm": arm,
-            "reused_from": f"benchmarks/results/lm_recipe_runs/{name}.json",
+            "reused_from": f"studies/results/lm_recipe_runs/{name}.json",
         }
     return None
 

@@ -2,7 +2,7 @@
 
 Every run is `gear train` itself (a subprocess, one thread each), so what is measured is what
 users run. A run's record (its summary with per-problem held-out scores, its per-step reward and
-seconds, the config it ran) is kept in `benchmarks/results/lm_recipe_runs/<run>.json` as it finishes;
+seconds, the config it ran) is kept in `studies/results/lm_recipe_runs/<run>.json` as it finishes;
 a stopped study resumes: finished records are read back, an interrupted run continues from its
 last checkpoint (`gear train --resume`).
 
@@ -12,7 +12,7 @@ Stages (the rule is written in docs/evidence/lm_recipe.md before any of their ru
 - `main`: `gear train` as shipped (the default recipe: the paper's GEAR), seeds 0..4.
 - `control`: the positive control: supervised fine-tuning on the worked solutions with the
   gate's LoRA and learning rate, scored by the same evaluation; it must show a gain.
-- `report`: benchmarks/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
+- `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
 
     python studies/lm_recipe.py sweep --workers 2
     python studies/lm_recipe.py gate --setting chosen --workers 2   # the rule's choice
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "studies" / "results"
 RECORDS = RESULTS / "lm_recipe_runs"
 RUNS = ROOT / "runs" / "lm_recipe"  # run directories (checkpoints): not committed
 SWEEP_SEED = 100

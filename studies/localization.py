@@ -11,7 +11,7 @@ prompt's first failed row. Intervals: 95% bootstrap over prompts (`gear.evidence
 
 Two stages: ``natural`` samples and caches each prompt's records (signals, first error;
 resumable, one cache entry per prompt); ``natural-metrics`` computes every method from the cache
-in seconds and writes benchmarks/results/localization.json ("natural").
+in seconds and writes studies/results/localization.json ("natural").
 
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/localization.py natural --natural-prompts 240
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/localization.py natural --placebo-set \\
@@ -41,7 +41,7 @@ import onpolicy
 from gear.evidence import bootstrap
 
 ROOT = Path(__file__).parent.parent
-RESULTS = ROOT / "benchmarks" / "results"  # where BENCHMARKS.md and the README cite it
+RESULTS = ROOT / "studies" / "results"  # where docs/evidence and the README cite it
 CACHE = ROOT / "runs" / "localization"
 RANDOM_SEEDS = (0, 1, 2, 3, 4)  # `random` boundaries: each row's metrics averaged over these
 NATURAL_METHODS = ("gear", "gear_token", "random", "fixed")  # read a KL signal

@@ -317,7 +317,7 @@ def commands(groups: list[str], rows: str) -> list[str]:
 
 
 def run_metrics(args: argparse.Namespace) -> None:
-    """Every metric from the caches -> benchmarks/results/teacher_contexts.json."""
+    """Every metric from the caches -> studies/results/teacher_contexts.json."""
     rows = load_rows(args)
     caches = {t: onpolicy.load_cache(Path(args.cache) / f"{t}.pt") for t in TEACHERS}
     groups = [g for g in rows if all(g in c for c in caches.values())]

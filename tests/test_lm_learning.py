@@ -142,7 +142,7 @@ def assert_close(mine, theirs, where: str) -> None:
 
 
 def test_the_committed_comparisons_are_reproduced_through_the_shared_analysis():
-    """benchmarks/results/lm_learning.json's analysis, from its committed records (issue 37's
+    """studies/results/lm_learning.json's analysis, from its committed records (issue 37's
     own and issue 35's reused ones) through `gear.evidence.compare_arms`, the analysis `gear
     compare` runs: the gate, every interval, power and MDE, stability and the decision."""
     committed = json.loads((ll.RESULTS / "lm_learning.json").read_text())

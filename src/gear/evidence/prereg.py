@@ -2,7 +2,7 @@
 says so. The rule's first commit must be a strict ancestor of the first commit of the results it
 governs (an earlier commit on the same history; the same commit does not precede).
 
-    record = preregistered("docs/evidence/lm_recipe.md", "benchmarks/results/lm_recipe.json")
+    record = preregistered("docs/evidence/lm_recipe.md", "studies/results/lm_recipe.json")
     record["precedes"]   # True: the rule was committed before any result
 
 A file's first commit follows renames (`git log --follow`), so moving a rule or a result keeps
