@@ -18,7 +18,7 @@ from gear.evidence.stats import (
     power_at,
     t_interval,
 )
-from gear.evidence.store import RunStore, code_digest, run_key, write_json
+from gear.evidence.store import RunStore, code_digest, run_key, write_json, write_text
 
 __all__ = [
     "RunStore",
@@ -40,4 +40,5 @@ __all__ = [
     "t_interval",
     "verdict",
     "write_json",
+    "write_text",
 ]

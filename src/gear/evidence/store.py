@@ -47,13 +47,20 @@ def run_key(params: Mapping[str, Any], code: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def write_json(path: Path, obj: Any) -> Path:
-    """Write `obj` as JSON to `path` atomically: a temporary named by this process, renamed."""
+def write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically: a temporary named by this process, then a rename, so a
+    reader (or a resumed run) never sees half a file. The one atomic writer of the project."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def write_json(path: Path, obj: Any, indent: int | None = None) -> Path:
+    """Write `obj` as JSON to `path` atomically (`write_text`)."""
+    return write_text(path, json.dumps(obj, indent=indent))
 
 
 @dataclass(frozen=True)
