@@ -138,3 +138,26 @@ def test_embedded_default_is_smollm2_135m_float32_confident_and_loads_from_the_c
     monkeypatch.setattr(models, "smollm2_gguf_path", lambda: 1 / 0)  # now only the cache is used
     model16, _ = load_model_and_tokenizer("smollm2", dtype="bfloat16")
     assert model16.dtype == torch.bfloat16
+
+
+def test_the_gguf_bar_is_off_in_a_log_file_and_drawn_on_a_terminal():
+    """Off a terminal, transformers' GGUF dequantisation bar writes nothing (it wrote hundreds of
+    carriage-return updates into a run's log); on a terminal it is drawn as before."""
+    import io
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def draw(file: io.StringIO) -> str:
+        for _ in gguf_utils.tqdm(range(50), desc="Converting", file=file, mininterval=0):
+            pass
+        return file.getvalue()
+
+    assert draw(io.StringIO()).count("\r") > 10  # what a log file got before
+    with models.gguf_bar_off_terminal():
+        assert draw(io.StringIO()) == ""
+        assert "Converting" in draw(Terminal())
+    assert draw(io.StringIO()).count("\r") > 10  # put back

@@ -14,6 +14,8 @@ completion, and prompts are left-padded under an attention mask.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -88,6 +90,22 @@ def _save_atomically(target: Path, *objects) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def gguf_bar_off_terminal():
+    """transformers draws a plain tqdm bar while it dequantises a GGUF (one update per tensor,
+    hundreds in all); written to a log file those carriage-return updates pile up on one line.
+    Inside this context the bar follows tqdm's own rule for `disable=None`: drawn on a terminal,
+    off elsewhere (gear prints one line saying what it does and how long it takes instead)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.model_max_length = 8192  # SmolLM2's context (the GGUF leaves it unset)
@@ -104,12 +122,13 @@ def smollm2_dir() -> Path:
     gguf = smollm2_gguf_path()
     print(f"gear: dequantising {gguf.name} into {target} once (~30 s); later runs load the cache.")
     tokenizer = _gguf_tokenizer(gguf)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-    )
+    with gguf_bar_off_terminal():
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
     model.hf_quantizer = None  # weights are plain float tensors now; allows save_pretrained
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -189,7 +208,8 @@ def load_model_and_tokenizer(
     else:
         path, kwargs = name, {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    with gguf_bar_off_terminal():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
