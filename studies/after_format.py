@@ -1,0 +1,435 @@
+"""After the format (issue 51): on a SmolLM2-135M that writes its intermediate steps, does GEAR's
+self-teacher put its signal on the first wrong step of a `chain` problem, better than a placebo
+and better than at step 0? The rule, fixed before any run: docs/evidence/2026-11-27-after-format-
+rule.md. Run from the repository root; every stage resumes where it stopped.
+
+    python -m studies.after_format sft --seeds 0 1 2    # stage 0: SFT checkpoints, their checks
+    python -m studies.after_format rows                 # stage 1: rows on seed 0's checkpoint
+    python -m studies.after_format rows --step0         #          and the same prompts at step 0
+    python -m studies.after_format signals [--step0]    # the answer-only and wrong-answer teachers
+    python -m studies.after_format localise             # -> studies/results/after_format.json
+    python -m studies.after_format status
+
+Stage 0 is `lm_recipe.sft_control` on the chain task, stopped by the rule's band; stage 1 is issue
+36's teacher-context study (`teacher_contexts`) on the chosen checkpoint's own rows. Run folders
+(adapters, optimizer states, row caches) go to runs/after_format/ (not committed); each seed's
+checks to studies/results/after_format_runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gear.evidence import bonferroni, bootstrap_difference, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "studies" / "results"
+OUT = RESULTS / "after_format.json"
+RECORDS = RESULTS / "after_format_runs"
+RUNS = ROOT / "runs" / "after_format"
+RULE = "docs/evidence/2026-11-27-after-format-rule.md"
+
+# ------------------------------------------------------------------------------ the rule's numbers
+MIX = "chain:1"
+LR = 5e-4
+ROWS_PER_STEP = 32  # 8 prompts x 4: a GRPO step's batch
+CHECK_STEPS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+CHECK_PROBLEMS, CHECK_SAMPLES, CHECK_SEED = 100, 4, 1000
+TEMPERATURE, MAX_NEW_TOKENS = 0.7, 96
+BAND = (0.30, 0.60)  # the chosen checkpoint's pass rate
+WRITES_STEPS = 0.90  # ... and its step-writing share
+ROWS_SAMPLES, PROMPTS_PER_CALL, PROMPTS_GROWTH = 4, 8, 40
+MIN_FAILED, MIN_PLACEBO = 500, 100
+CELLS = 6  # 3 teacher contexts x 2 estimators: the threshold's Bonferroni
+ANSWER_MARKER = ("answer:", "answer is", "\\boxed{")
+
+
+def task():
+    from gear.tasks.arithmetic import ArithmeticTask
+
+    return ArithmeticTask(mix=MIX)
+
+
+def writes_steps(text: str, ended: bool, steps: int = 3) -> bool:
+    """The rule's "writes its steps": at least `steps` equations the checker parses (right or
+    wrong), an explicit answer marker after the last of them, and an EOS within the budget."""
+    from studies.onpolicy import equation_spans
+
+    eqs = equation_spans(text)
+    if len(eqs) < steps or not ended:
+        return False
+    tail = text[eqs[-1][2] :].lower()
+    return any(m in tail for m in ANSWER_MARKER)
+
+
+# ------------------------------------------------------------------------------ stage 0: SFT
+def lora_model(seed: int) -> tuple[Any, Any]:
+    """The embedded model with `gear train`'s LoRA (r 16, alpha 32, all linear layers), float32;
+    its initial adapter weights drawn from `seed`."""
+    from peft import get_peft_model
+
+    from gear.models import load_model_and_tokenizer
+    from gear.run import lora_config, resolve_config
+
+    model, tok = load_model_and_tokenizer("smollm2", dtype=torch.float32)
+    torch.manual_seed(seed)
+    return get_peft_model(model, lora_config(resolve_config(None, {}))), tok
+
+
+def sft_batch(tok: Any, rows: Any) -> dict[str, torch.Tensor]:
+    """Prompt + worked solution + EOS per row, right-padded; labels only on the solution."""
+    from studies.lm_recipe import right_padded
+    from studies.onpolicy import render
+
+    ids, labels = [], []
+    for row in rows:
+        prompt = render(tok, row["prompt"])
+        target = [
+            *tok(row["ground_truth"], add_special_tokens=False)["input_ids"],
+            tok.eos_token_id,
+        ]
+        ids.append(prompt + target)
+        labels.append([-100] * len(prompt) + target)
+    return {
+        "input_ids": right_padded(ids, tok.pad_token_id),
+        "attention_mask": right_padded([[1] * len(x) for x in ids], 0),
+        "labels": right_padded(labels, -100),
+    }
+
+
+@torch.no_grad()
+def check(model: Any, tok: Any) -> dict[str, Any]:
+    """The rule's check: pass rate and step-writing share of CHECK_SAMPLES samples on each of
+    CHECK_PROBLEMS held-out chain problems, the same noise at every check."""
+    from studies.onpolicy import render, sample_groups
+
+    model.eval()
+    t = task()
+    rows = t.dataset("test", n=CHECK_PROBLEMS, seed=CHECK_SEED)
+    torch.manual_seed(CHECK_SEED)
+    correct, steps, lengths = [], [], []
+    for k in range(0, len(rows), PROMPTS_PER_CALL):
+        part = [rows[j] for j in range(k, min(k + PROMPTS_PER_CALL, len(rows)))]
+        groups = sample_groups(
+            model, tok, [render(tok, r["prompt"]) for r in part], CHECK_SAMPLES,
+            MAX_NEW_TOKENS, TEMPERATURE,
+        )  # fmt: skip
+        for row, gen in zip(part, groups, strict=True):
+            for ids in gen:
+                text = tok.decode(ids, skip_special_tokens=True)
+                correct.append(float(t.is_correct(text, row["answer"])))
+                steps.append(float(writes_steps(text, tok.eos_token_id in ids)))
+                lengths.append(len(ids))
+    model.train()
+    n = len(correct)
+    return {"pass_rate": sum(correct) / n, "writes_steps": sum(steps) / n,
+            "mean_length": sum(lengths) / n, "completions": n}  # fmt: skip
+
+
+def qualifies(c: dict[str, Any]) -> bool:
+    return c["writes_steps"] >= WRITES_STEPS and BAND[0] <= c["pass_rate"] <= BAND[1]
+
+
+def sft_record(seed: int) -> dict[str, Any]:
+    path = RECORDS / f"sft-seed{seed}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"seed": seed, "checks": [], "chosen": None, "pieces": [], "rule": RULE}
+
+
+def sft(seed: int) -> dict[str, Any]:
+    """Stage 0 for one seed: SFT, checking at CHECK_STEPS, to the chosen step (the earliest that
+    qualifies; every step between two checks when the pass rate jumps over the band), saving the
+    adapter and optimizer at each check. Resumes from the last saved check."""
+    record = sft_record(seed)
+    if record["chosen"] is not None or record.get("done"):
+        return record
+    t0 = time.time()
+    run = RUNS / f"sft-seed{seed}"
+    model, tok = lora_model(seed)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    rows = task().dataset("train", n=max(CHECK_STEPS) * ROWS_PER_STEP, seed=seed)
+    checked = {c["step"]: c for c in record["checks"]}
+    schedule = sorted(set(CHECK_STEPS) | set(checked) | set(record.get("extra_checks", [])))
+    step = 0
+    if checked:  # resume from the last saved check
+        step = max(checked)
+        state = torch.load(run / f"step-{step}" / "state.pt", weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        print(f"seed {seed}: resumed at SFT step {step}", flush=True)
+    record["loss"] = losses = record.get("loss", [])[:step]
+    while step < max(CHECK_STEPS):
+        batch = sft_batch(tok, rows.select(range(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)))
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        losses.append(loss.item())
+        if step not in schedule:
+            continue
+        c = {"step": step, **check(model, tok)}
+        record["checks"].append(c)
+        state = {"model": {k: v for k, v in model.state_dict().items() if "lora_" in k},
+                 "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}  # fmt: skip
+        (run / f"step-{step}").mkdir(parents=True, exist_ok=True)
+        torch.save(state, run / f"step-{step}" / "state.pt")
+        model.save_pretrained(run / f"step-{step}")
+        print(f"seed {seed} step {step}: pass rate {c['pass_rate']:.3f}, writes its steps "
+              f"{c['writes_steps']:.3f}, {c['mean_length']:.0f} tokens", flush=True)  # fmt: skip
+        prev = [x for x in record["checks"] if x["step"] < step]
+        if prev and prev[-1]["pass_rate"] < BAND[0] and c["pass_rate"] > BAND[1]:
+            # jumped over the band: every step between the two checks is checked, from the first
+            gap = range(prev[-1]["step"] + 1, step)
+            if not set(gap) <= set(schedule):
+                record["checks"].pop()
+                record["extra_checks"] = sorted(set(record.get("extra_checks", [])) | set(gap))
+                record["pieces"].append({"why": f"jumped over the band at {step}: recheck "
+                                         f"{list(gap)}", "wall_s": time.time() - t0})  # fmt: skip
+                write_json(RECORDS / f"sft-seed{seed}.json", record, indent=1)
+                return sft(seed)  # resumes from the previous check, with the gap scheduled
+        if qualifies(c):
+            record["chosen"] = {
+                "step": step,
+                "adapter": str(run.relative_to(ROOT) / f"step-{step}"),
+            }
+            break
+        write_json(RECORDS / f"sft-seed{seed}.json", record, indent=1)
+    record["done"] = True
+    record["pieces"].append({"wall_s": time.time() - t0, "to_step": step})
+    record["capability"] = torch.backends.cpu.get_cpu_capability()
+    write_json(RECORDS / f"sft-seed{seed}.json", record, indent=1)
+    return record
+
+
+# ------------------------------------------------------------------------------ stage 1: rows
+def chosen_adapter(seed: int = 0) -> Path:
+    record = sft_record(seed)
+    if record["chosen"] is None:
+        raise SystemExit(f"seed {seed} has no chosen checkpoint yet: run the sft stage first "
+                         f"({'none qualified' if record.get('done') else 'not finished'})")  # fmt: skip
+    return ROOT / record["chosen"]["adapter"]
+
+
+def rows_dir(step0: bool) -> Path:
+    return RUNS / ("rows-step0" if step0 else "rows-sft-seed0")
+
+
+def load_rows_model(step0: bool) -> tuple[Any, Any]:
+    """The embedded model (step 0) or seed 0's chosen checkpoint with its LoRA merged; float32."""
+    from gear.models import load_model_and_tokenizer
+
+    name = "smollm2" if step0 else chosen_adapter(0)
+    model, tok = load_model_and_tokenizer(name, dtype=torch.float32)
+    return model.eval(), tok
+
+
+def counts(done: dict[str, list[dict[str, Any]]]) -> tuple[int, int]:
+    """(failed rows with a checked first error, placebo rows) of a row cache."""
+    from studies.teacher_contexts import placebo_set
+
+    failed = sum("error" in r for v in done.values() for r in v)
+    return failed, len(placebo_set(done))
+
+
+def sample_rows(step0: bool, prompts: int | None = None) -> dict[str, Any]:
+    """Stage 1's rows: chain test prompts 0, 1, ... (groups "natural-j"), ROWS_SAMPLES samples
+    each, every call seeded by its first prompt; grown by PROMPTS_GROWTH until MIN_FAILED failed
+    rows and MIN_PLACEBO placebo rows (the checkpoint), or to `prompts` (step 0: the checkpoint's
+    prompts). Cached per prompt in rows_dir(step0)/natural.pt."""
+    from studies import onpolicy
+
+    torch.set_num_threads(1)
+    t = task()
+    path = rows_dir(step0) / "natural.pt"
+    done = onpolicy.load_cache(path)
+    model = tok = None
+    n = max(PROMPTS_GROWTH, len(done))
+    t0 = time.time()
+    while True:
+        n = prompts if prompts is not None else n
+        rows = t.dataset("test", n=n, seed=0)
+        todo = [j for j in range(n) if f"natural-{j}" not in done]
+        if todo and model is None:
+            model, tok = load_rows_model(step0)
+        for k in range(0, len(todo), PROMPTS_PER_CALL):
+            part = todo[k : k + PROMPTS_PER_CALL]
+            torch.manual_seed(part[0])
+            gen = onpolicy.sample_groups(
+                model, tok, [onpolicy.render(tok, rows[j]["prompt"]) for j in part],
+                ROWS_SAMPLES, MAX_NEW_TOKENS, TEMPERATURE,
+            )  # fmt: skip
+            for j, g in zip(part, gen, strict=True):
+                done[f"natural-{j}"] = onpolicy.prompt_records(
+                    model, tok, t, rows[j], f"natural-{j}", g
+                )
+            onpolicy.save_cache(path, done)
+            failed, placebo = counts(done)
+            print(f"{path.parent.name}: {len(done)}/{n} prompts, {failed} failed rows, "
+                  f"{placebo} placebo rows, {time.time() - t0:.0f} s", flush=True)  # fmt: skip
+        failed, placebo = counts(done)
+        if prompts is not None or (failed >= MIN_FAILED and placebo >= MIN_PLACEBO):
+            return {"prompts": n, "failed_rows": failed, "placebo_rows": placebo}
+        n += PROMPTS_GROWTH
+
+
+def teacher_signals(step0: bool) -> None:
+    """The answer-only and the wrong-answer teachers' records of every cached prompt, as issue
+    36's study computes them (`teacher_contexts.teacher_records`), cached per teacher."""
+    from studies import onpolicy
+    from studies import teacher_contexts as tc
+
+    torch.set_num_threads(1)
+    t = task()
+    rows = onpolicy.load_cache(rows_dir(step0) / "natural.pt")
+    data = t.dataset("test", n=len(rows), seed=0)
+    paths = {name: rows_dir(step0) / f"{name}.pt" for name in tc.TEACHERS}
+    caches = {name: onpolicy.load_cache(p) for name, p in paths.items()}
+    todo = [g for g in rows if not all(g in c for c in caches.values())]
+    model, tok = load_rows_model(step0) if todo else (None, None)
+    t0 = time.time()
+    for k, g in enumerate(todo):
+        row, recs = data[int(g.split("-")[1])], rows[g]
+        got = {name: [] for name in tc.TEACHERS}
+        if recs:
+            assert recs[0]["case"]["prompt"] == row["prompt"], f"{g}: not the rows' prompt"
+            wrong = tc.wrong_answer(t, row["answer"], g)
+            got = tc.teacher_records(model, tok, recs, {
+                "answer_only": tc.teacher_prompt_ids(tok, row["prompt"], row["answer"],
+                                                     "answer_only"),
+                "wrong_answer": tc.teacher_prompt_ids(tok, row["prompt"], wrong, "contrast"),
+            })  # fmt: skip
+        for name in tc.TEACHERS:
+            caches[name][g] = got[name]
+        if (k + 1) % 8 == 0 or k + 1 == len(todo):
+            for name in tc.TEACHERS:
+                onpolicy.save_cache(paths[name], caches[name])
+            print(f"{rows_dir(step0).name}: teachers of {k + 1}/{len(todo)} prompts, "
+                  f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the analysis
+def threshold_cells(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """`gear`'s placebo-corrected L per cell at the rule's Bonferroni level (1 - 0.05 / CELLS),
+    and whether any cell's interval lies above 0 (the threshold for stage 2)."""
+    from studies import localization as loc
+    from studies import teacher_contexts as tc
+
+    level = bonferroni(CELLS)  # 1 - 0.05 / CELLS
+    split = {name: ([r for v in s.values() for r in v if "error" in r], tc.placebo_set(s))
+             for name, s in sets.items()}  # fmt: skip
+    bad, plc = split["worked_solution"]
+    cells = {}
+    for context, (right, wrong) in tc.CONTEXT_TEACHERS.items():
+        for est in tc.ESTIMATORS:
+            per = []
+            for k, recs in ((0, bad), (1, plc)):
+                con = split[wrong][k] if wrong else None
+                w, _ = tc.context_details(split[right][k], "gear", est, con)
+                metrics = [loc.natural_row_metrics(x, r["error"], r["step"])
+                           for x, r in zip(w, recs, strict=True)]  # fmt: skip
+                per.append(list(loc.per_prompt(metrics, recs, "L").values()))
+            d = bootstrap_difference(per[0], per[1], alpha=1 - level)
+            cells[f"{context}/{est}"] = {"corrected_L": d["mean"], "ci": d["ci"],
+                                         "above_0": d["ci"][0] > 0}  # fmt: skip
+    passed = [c for c, v in cells.items() if v["above_0"]]
+    best = max(passed, key=lambda c: cells[c]["corrected_L"]) if passed else None
+    return {"level": level, "cells": cells, "met": bool(passed), "best_cell": best}
+
+
+def teacher_sets(step0: bool) -> dict[str, dict[str, list[dict[str, Any]]]] | None:
+    from studies import onpolicy
+    from studies import teacher_contexts as tc
+
+    rows = onpolicy.load_cache(rows_dir(step0) / "natural.pt")
+    caches = {n: onpolicy.load_cache(rows_dir(step0) / f"{n}.pt") for n in tc.TEACHERS}
+    groups = [g for g in rows if all(g in c for c in caches.values())]
+    if not groups:
+        return None
+    sets = {"worked_solution": {g: rows[g] for g in groups}}
+    sets.update({n: {g: c[g] for g in groups} for n, c in caches.items()})
+    return sets
+
+
+def localise() -> dict[str, Any]:
+    """Stage 1's result, both models, into OUT (stage 0's records beside it)."""
+    from studies import localization as loc
+    from studies import teacher_contexts as tc
+
+    out: dict[str, Any] = {
+        "question": "on a SmolLM2-135M that writes its steps (LoRA SFT on chain worked "
+        "solutions), where the self-teacher's first onset and GEAR's blame land on the first "
+        "wrong step, per teacher context and estimator, against a placebo and step 0",
+        "rule": RULE,
+        "sft": {f"seed{s}": sft_record(s) for s in sft_seeds()},
+        "capability": str(torch.backends.cpu.get_cpu_capability()),
+        "torch": torch.__version__,
+    }
+    for label, step0 in (("checkpoint", False), ("step0", True)):
+        sets = teacher_sets(step0)
+        if sets is None:
+            out[label] = None
+            continue
+        out[label] = {"prompts": len(sets["worked_solution"]), **tc.summary(sets)}
+        if not step0:
+            out["threshold"] = threshold_cells(sets)
+    write_json(OUT, loc.clean(out), indent=1)
+    print(f"wrote {OUT}")
+    return out
+
+
+def sft_seeds() -> list[int]:
+    return sorted(int(p.stem.split("seed")[1]) for p in RECORDS.glob("sft-seed*.json"))
+
+
+def status() -> None:
+    for s in sft_seeds():
+        r = sft_record(s)
+        last = r["checks"][-1] if r["checks"] else None
+        print(f"sft seed {s}: {len(r['checks'])} checks, chosen {r['chosen']}, last {last}")
+    for step0 in (False, True):
+        from studies import onpolicy
+
+        done = onpolicy.load_cache(rows_dir(step0) / "natural.pt")
+        if done:
+            print(f"{rows_dir(step0).name}: {len(done)} prompts, (failed, placebo) {counts(done)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", choices=["sft", "rows", "signals", "localise", "status"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="sft: the seeds")
+    ap.add_argument("--step0", action="store_true", help="rows/signals: the embedded model")
+    a = ap.parse_args(argv)
+    if a.stage == "sft":
+        for s in a.seeds:
+            sft(s)
+    elif a.stage == "rows":
+        if a.step0:  # the checkpoint's prompts, so both models are read on the same problems
+            from studies import onpolicy
+
+            n = len(onpolicy.load_cache(rows_dir(False) / "natural.pt"))
+            if not n:
+                raise SystemExit("sample the checkpoint's rows first (rows without --step0)")
+            print(sample_rows(True, n))
+        else:
+            print(sample_rows(False))
+    elif a.stage == "signals":
+        teacher_signals(a.step0)
+    elif a.stage == "localise":
+        localise()
+    else:
+        status()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Issue 51's study (studies/after_format.py): the rule's "writes its steps", stage 0's SFT that
+stops at the band, checks every step of a jump over it, and resumes to the same weights. No real
+model: the byte tokenizer and a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from studies import after_format as af
+
+SOLUTION = "12 + 5 = 17, then 17 - 3 = 14, then 14 + 20 = 34. The answer is 34."
+
+
+def test_writes_its_steps_needs_three_equations_an_answer_marker_and_an_end():
+    assert af.writes_steps(SOLUTION, ended=True)
+    assert af.writes_steps("12 + 5 = 18, then 18 - 3 = 15, then 15 + 20 = 35. Answer: 35", True)
+    assert not af.writes_steps(SOLUTION, ended=False)  # cut at the token budget
+    assert not af.writes_steps("12 + 5 = 17, then 17 - 3 = 14. The answer is 14.", True)
+    assert not af.writes_steps("12 + 5 = 17, then 17 - 3 = 14, then 14 + 20 = 34.", True)
+    assert not af.writes_steps("The answer is 34. 12 + 5 = 17, 17 - 3 = 14, 14 + 20 = 34", True)
+
+
+@pytest.fixture
+def tiny(monkeypatch, tmp_path):
+    """Stage 0 on a tiny model with a small schedule, writing under tmp_path."""
+    from peft import LoraConfig, get_peft_model
+
+    from gear.models import tiny_model_and_tokenizer
+
+    def lora_model(seed):
+        model, tok = tiny_model_and_tokenizer("bytes", seed=0)
+        torch.manual_seed(seed)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        return get_peft_model(model, cfg), tok
+
+    monkeypatch.setattr(af, "lora_model", lora_model)
+    monkeypatch.setattr(af, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(af, "RECORDS", tmp_path / "records")
+    monkeypatch.setattr(af, "ROOT", tmp_path)
+    monkeypatch.setattr(af, "ROWS_PER_STEP", 2)
+    monkeypatch.setattr(af, "CHECK_PROBLEMS", 2)
+    monkeypatch.setattr(af, "CHECK_SAMPLES", 2)
+    monkeypatch.setattr(af, "MAX_NEW_TOKENS", 6)
+    return tmp_path
+
+
+def adapter(tmp_path, step):
+    return torch.load(tmp_path / "runs" / "sft-seed0" / f"step-{step}" / "state.pt")["model"]
+
+
+def test_sft_resumed_after_a_stop_reaches_the_same_weights(tiny, monkeypatch):
+    monkeypatch.setattr(af, "CHECK_STEPS", (1, 2, 3))
+    whole = af.sft(0)
+    assert whole["done"] and whole["chosen"] is None  # a random model writes no steps
+    assert [c["step"] for c in whole["checks"]] == [1, 2, 3]
+    final = adapter(tiny, 3)
+    for p in (tiny / "runs", tiny / "records"):
+        __import__("shutil").rmtree(p)
+
+    real, calls = af.check, []
+
+    def stopping(model, tok):  # the session ends during step 3's check
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(model, tok)
+
+    monkeypatch.setattr(af, "check", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        af.sft(0)
+    monkeypatch.setattr(af, "check", real)
+    resumed = af.sft(0)
+    assert resumed["loss"] == whole["loss"] and len(resumed["loss"]) == 3
+    assert [c["step"] for c in resumed["checks"]] == [1, 2, 3]
+    for k, v in final.items():
+        torch.testing.assert_close(adapter(tiny, 3)[k], v, rtol=0, atol=0)
+
+
+def test_a_jump_over_the_band_checks_every_step_between_and_takes_the_earliest(tiny, monkeypatch):
+    monkeypatch.setattr(af, "CHECK_STEPS", (2, 5, 8))
+    rates = {2: 0.1, 3: 0.2, 4: 0.45, 5: 0.7}  # step 5 jumps over [0.3, 0.6] from step 2
+
+    def fake_check(model, tok):
+        step = len(record_steps) + 1
+        record_steps.append(step)
+        return {"pass_rate": rates[checked_steps[step - 1]], "writes_steps": 0.95,
+                "mean_length": 30.0, "completions": 4}  # fmt: skip
+
+    # the checks happen in this order of SFT steps: 2, 5 (jump), then 3, 4 after the resume
+    checked_steps, record_steps = [2, 5, 3, 4], []
+    monkeypatch.setattr(af, "check", fake_check)
+    r = af.sft(0)
+    assert r["extra_checks"] == [3, 4]
+    assert [c["step"] for c in r["checks"]] == [2, 3, 4]  # step 5's check was withdrawn
+    assert r["chosen"]["step"] == 4
+    saved = json.loads((tiny / "records" / "sft-seed0.json").read_text())
+    assert saved["chosen"] == r["chosen"] and len(saved["loss"]) == 4
+
+
+def test_a_checkpoint_qualifies_only_inside_the_band_and_writing_its_steps():
+    assert af.qualifies({"pass_rate": 0.3, "writes_steps": 0.9})
+    assert af.qualifies({"pass_rate": 0.6, "writes_steps": 1.0})
+    assert not af.qualifies({"pass_rate": 0.61, "writes_steps": 1.0})
+    assert not af.qualifies({"pass_rate": 0.45, "writes_steps": 0.89})
