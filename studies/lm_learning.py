@@ -8,12 +8,12 @@ stop leaves complete pairs. Each finished run's record is written to
 resumes from its checkpoint. `grpo` seeds 0-7 and `gear` seeds 0-4 are issue 35's runs of the
 identical config, reused as the rule says.
 
-    python studies/lm_learning.py grid --workers 1     # resumable; runs what is missing
-    python studies/lm_learning.py status              # finished runs per arm (no scores)
-    python studies/lm_learning.py report              # the rule's analysis -> lm_learning.json
-    python studies/lm_learning.py report --final      # the budget ended: analyse complete rounds
-    python studies/lm_learning.py placebo --arm X     # a winner's shape-matched placebo (step 4)
-    python studies/lm_learning.py posthoc             # issue 53's post-hoc OAR-G arm (below)
+    python -m studies.lm_learning grid --workers 1     # resumable; runs what is missing
+    python -m studies.lm_learning status              # finished runs per arm (no scores)
+    python -m studies.lm_learning report              # the rule's analysis -> lm_learning.json
+    python -m studies.lm_learning report --final      # the budget ended: analyse complete rounds
+    python -m studies.lm_learning placebo --arm X     # a winner's shape-matched placebo (step 4)
+    python -m studies.lm_learning posthoc             # issue 53's post-hoc OAR-G arm (below)
 
 The grid runs from a fixed checkout of the rule's code, so that later edits cannot change an
 arm mid-grid (each record names its commit); records land in this tree's folder:
@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -41,8 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lm_recipe  # the run machinery: gear train per run, records, resume
+from studies import lm_recipe  # the run machinery: gear train per run, records, resume
 
 ROOT = lm_recipe.ROOT
 RESULTS = lm_recipe.RESULTS

@@ -14,11 +14,11 @@ Stages (the rule is written in docs/evidence/lm_recipe.md before any of their ru
   gate's LoRA and learning rate, scored by the same evaluation; it must show a gain.
 - `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
 
-    python studies/lm_recipe.py sweep --workers 2
-    python studies/lm_recipe.py gate --setting chosen --workers 2   # the rule's choice
-    python studies/lm_recipe.py main --workers 2
-    python studies/lm_recipe.py control --setting lora16_lr5e-4
-    python studies/lm_recipe.py report --setting lora16_lr5e-4
+    python -m studies.lm_recipe sweep --workers 2
+    python -m studies.lm_recipe gate --setting chosen --workers 2   # the rule's choice
+    python -m studies.lm_recipe main --workers 2
+    python -m studies.lm_recipe control --setting lora16_lr5e-4
+    python -m studies.lm_recipe report --setting lora16_lr5e-4
 """
 
 from __future__ import annotations

@@ -5,14 +5,12 @@ rule's analysis on synthetic records. No training runs."""
 from __future__ import annotations
 
 import json
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
-import lm_learning as ll
+from studies import lm_learning as ll
 
 
 def fake(arm: str, seed: int, after: float, before: float = 0.3) -> dict:

@@ -1,8 +1,8 @@
 """The learning study of issue 13 §2 (its power is reported, see BENCHMARKS.md): GEAR vs GRPO, several seeds, 300+ held-out problems.
 
 ```
-python studies/archive/learning_study.py run          # train what is missing (resumable), then aggregate
-python studies/archive/learning_study.py aggregate    # JSON + table + figure from the finished runs
+python -m studies.archive.learning_study run          # train what is missing (resumable), then aggregate
+python -m studies.archive.learning_study aggregate    # JSON + table + figure from the finished runs
 ```
 
 Every run trains SmolLM2-135M-Instruct with `studies/archive/learning_study.yaml`, through `gear
