@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -465,9 +464,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "torch": torch.__version__,
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip(),
+        "commit": evidence.head_commit(HERE),
     }
 
 

@@ -95,6 +95,7 @@ def test_a_named_record_is_kept_with_the_bytes_the_studies_committed(tmp_path):
     store.put("main-seed1", {"name": "main-seed1"})
     store.path("gate-seed1").with_suffix(".json.99.tmp").write_text('{"half": ')
     assert store.get("gate-seed0") == record
+    assert store.names() == ["gate-seed0", "main-seed1"]
     assert [r["name"] for r in store.all()] == ["gate-seed0", "main-seed1"]
     assert store.all("gate-*") == [record]
 

@@ -155,8 +155,8 @@ def warm_model(cfg: LMConfig, runs: Path | None = None, log: Any = print) -> tup
             flush=True)  # fmt: skip
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        with evidence.replacing(path) as tmp:
+            torch.save(model.state_dict(), tmp)
     return model, tok
 
 
@@ -389,9 +389,7 @@ def base_eval(seed: int, cfg: LMConfig, runs: Path | None = None) -> dict[str, f
     task, _, test = task_rows(cfg)
     out = evaluate(model, tok, task, test, seed=7_919 + seed)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(out))
-        path.with_suffix(".tmp").replace(path)  # atomic, as every kept result
+        evidence.write_json(path, out)  # atomic, as every kept result
     return out
 
 

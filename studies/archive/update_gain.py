@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gear.evidence import t_interval
+from gear.evidence import replacing, t_interval
 from studies import localization as loc  # the on-policy rows and their signals
 from studies.onpolicy import (
     Case,
@@ -302,8 +302,8 @@ def run_collect(args: argparse.Namespace) -> None:
     else:
         grad, J, n_tok = held_out_gradient(model, tok, list(test))
         g = {"grad": grad, "J": J, "tokens": n_tok}
-        torch.save(g, gpath.with_suffix(".tmp"))
-        gpath.with_suffix(".tmp").replace(gpath)
+        with replacing(gpath) as tmp:
+            torch.save(g, tmp)
         log(f"held-out J = {J:.4f} over {n_tok} tokens; gradient saved")
     mach = {**machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     meta = {"machine": mach, "args": vars(args), "J": g["J"], "eval_tokens": g["tokens"]}
@@ -315,8 +315,8 @@ def run_collect(args: argparse.Namespace) -> None:
         if path.is_file():
             continue
         res = collect_batch(b, model, tok, task, train, g["grad"], args)
-        torch.save(res, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        with replacing(path) as tmp:
+            torch.save(res, tmp)
         done += 1
         sec = res["seconds"]
         log(f"batch {b + 1}/{args.batches}: {len(res['groups'])} groups kept, "

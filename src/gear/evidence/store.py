@@ -143,8 +143,11 @@ class RecordStore:
         write_json(self.path(name), record, indent=self.indent)
         return record
 
-    def all(self, pattern: str = "*") -> list[dict[str, Any]]:
-        """Every record whose name matches the glob `pattern`, in name order (temporaries and
+    def names(self, pattern: str = "*") -> list[str]:
+        """The names of the kept records that match the glob `pattern`, sorted (temporaries and
         other files are not records)."""
-        paths = sorted(Path(self.root).glob(f"{pattern}.json"))
-        return [json.loads(p.read_text()) for p in paths]
+        return sorted(p.name[: -len(".json")] for p in Path(self.root).glob(f"{pattern}.json"))
+
+    def all(self, pattern: str = "*") -> list[dict[str, Any]]:
+        """Every record whose name matches the glob `pattern`, in name order."""
+        return [json.loads(self.path(n).read_text()) for n in self.names(pattern)]
