@@ -4,7 +4,6 @@ table and write JSON. Benchmarks never pass or fail on time."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -18,6 +17,8 @@ from queue import Empty
 from typing import Any
 
 import torch
+
+import gear.evidence
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -149,9 +150,8 @@ def _fmt(v: object) -> str:
 
 
 def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     payload = {"machine": machine(), **payload}
-    path.write_text(json.dumps(payload, indent=2))
+    gear.evidence.write_json(path, payload, indent=2)  # atomic: a killed run leaves the last one
     print(f"\nwrote {path}")
     return path

@@ -1,21 +1,19 @@
 """The credit core: vectorised `gear` vs the plain per-token loop of spec §2, and the signals
 (naive vs chunked logits vs hidden states) at the SmolLM2 vocabulary.
 
-    .venv/bin/python benchmarks/credit.py                 # N=64, T=4096; V=49152, T in {512, 2048}
-    .venv/bin/python benchmarks/credit.py --quick         # smaller, for a smoke run
+    .venv/bin/python -m benchmarks.credit                 # N=64, T=4096; V=49152, T in {512, 2048}
+    .venv/bin/python -m benchmarks.credit --quick         # smaller, for a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from common import isolated, print_table, time_and_memory, write_json  # noqa: E402
+from benchmarks.common import isolated, print_table, time_and_memory, write_json  # noqa: E402
 
 
 def credit_case(impl: str, N: int, T: int, repeats: int) -> dict:
@@ -65,7 +63,7 @@ def main() -> None:
         "gear credit: vectorised vs per-token loop (CPU)",
     )
 
-    import signals
+    from benchmarks import signals
 
     sig_rows = signals.main(
         [

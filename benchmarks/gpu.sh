@@ -40,10 +40,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
 case "$mode" in
   signals)
-    python benchmarks/signals.py --device cuda --dtype bfloat16 --hidden 2048 --T 16384 \
+    python -m benchmarks.signals --device cuda --dtype bfloat16 --hidden 2048 --T 16384 \
       --repeats 5 --name "$OUT/signals_gpu" "$@"
     ;;
   step)
-    python benchmarks/step.py --name "$OUT/step_gpu" "$@"
+    python -m benchmarks.step --name "$OUT/step_gpu" "$@"
     ;;
 esac

@@ -1,8 +1,8 @@
 """The no-grad forward of a LoRA policy (gear's teacher pass) with and without
 `gear.modeling.lora.merged_lora`, against the plain model's forward, in one process.
 
-    .venv/bin/python benchmarks/lora_merge.py               # embedded SmolLM2-135M, rank 16
-    .venv/bin/python benchmarks/lora_merge.py --rows 32 --length 150 --repeats 5
+    .venv/bin/python -m benchmarks.lora_merge               # embedded SmolLM2-135M, rank 16
+    .venv/bin/python -m benchmarks.lora_merge --rows 32 --length 150 --repeats 5
 
 The adapter is gear train's (rank 16, every linear layer, alpha 32) with B drawn at random so
 that it changes the output. Arms alternate within each repeat; medians of --repeats after one
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, write_json
 
 
 def main() -> None:

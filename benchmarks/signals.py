@@ -4,10 +4,10 @@ chunked-logits path vs gear's hidden-state chunk kernel (`hidden`, the CPU's) vs
 each: the chunk kernel's GEMMs (`gemm_only`) and the fold's float32-output tile GEMMs
 (`gemm_tiles`).
 
-    .venv/bin/python benchmarks/signals.py --vocab 49152 --T 512 2048
-    .venv/bin/python benchmarks/signals.py --vocab 49152 151936 --T 512 2048 8192 --chunk-size 256 1024
+    .venv/bin/python -m benchmarks.signals --vocab 49152 --T 512 2048
+    .venv/bin/python -m benchmarks.signals --vocab 49152 151936 --T 512 2048 8192 --chunk-size 256 1024
     # on a GPU (the name is recorded): bf16 as a bf16 run projects
-    python benchmarks/signals.py --device cuda --dtype bfloat16 --hidden 2048 --T 16384 \
+    python -m benchmarks.signals --device cuda --dtype bfloat16 --hidden 2048 --T 16384 \
         --vocab 151936 49152 --methods hidden fold trl gemm_only gemm_tiles --chunk-size 256 4096
 
 Each case runs in a fresh process; time is the median of --repeats calls, memory the peak
@@ -17,13 +17,10 @@ extra RSS (CPU) or max allocated (CUDA) above the inputs.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import isolated, print_table, time_and_memory, write_json
+from benchmarks.common import isolated, print_table, time_and_memory, write_json
 
 METHODS = ("naive", "chunked_logits", "hidden", "fold", "trl", "gemm_only", "gemm_tiles")
 CHUNKED = ("chunked_logits", "hidden", "gemm_only")

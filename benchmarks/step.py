@@ -9,10 +9,10 @@ first. Reported per step: wall time (optimizer included) and its breakdown: gene
 teacher prompts + teacher pass, student pass, signals (KL/entropy), credit, and the rest (loss
 forward/backward, optimizer).
 
-    .venv/bin/python benchmarks/step.py --no-bf16              # embedded SmolLM2, 16 completions
-    .venv/bin/python benchmarks/step.py --model /path/to/model --steps 4 --repeats 3
-    .venv/bin/python benchmarks/step.py --methods grpo,gear    # without the "before" arm
-    .venv/bin/python benchmarks/step.py --no-bf16 --lora 16 --completions 32 --generations 4 \
+    .venv/bin/python -m benchmarks.step --no-bf16              # embedded SmolLM2, 16 completions
+    .venv/bin/python -m benchmarks.step --model /path/to/model --steps 4 --repeats 3
+    .venv/bin/python -m benchmarks.step --methods grpo,gear    # without the "before" arm
+    .venv/bin/python -m benchmarks.step --no-bf16 --lora 16 --completions 32 --generations 4 \
         --completion-length 32 --temperature 0.7 --methods grpo,gear   # gear train's recipe
 
 With `--teacher-engine vllm` (run it in .venv-vllm) the arms are instead two GEAR runs that both
@@ -20,14 +20,14 @@ generate with vLLM (colocate, eager) and differ only in what scores the teacher:
 forward or vLLM's prompt log-probs (`teacher_engine`; k1 estimator, temperature 1, which the
 vLLM teacher needs). Its teacher seconds per step go to step.json under `teacher_engine`:
 
-    .venv-vllm/bin/python benchmarks/step.py --teacher-engine vllm --no-bf16 --completions 8 \
+    .venv-vllm/bin/python -m benchmarks.step --teacher-engine vllm --no-bf16 --completions 8 \
         --generations 4 --completion-length 32 --steps 3 --repeats 1
 
 `--methods grpo,gear,gear_contrast` adds GEAR with `teacher_context="contrast"` (issue 36: the
 right-answer teacher's KL minus a wrong-answer teacher's, one more teacher pass, timed as
 `contrast_s`); its figures go to step.json under `teacher_context_contrast`:
 
-    .venv/bin/python benchmarks/step.py --no-bf16 --lora 16 --completions 32 --generations 4 \
+    .venv/bin/python -m benchmarks.step --no-bf16 --lora 16 --completions 32 --generations 4 \
         --completion-length 32 --temperature 0.7 --methods grpo,gear,gear_contrast
 
 With `--lora R` every arm trains a LoRA adapter of rank R (gear train's `lora_r`: the same
@@ -43,7 +43,7 @@ everywhere, still exercises the teacher; `--random-init` takes only the config a
 of `--model` (a directory) and initialises the weights at random, for timing at a shape whose
 weights are not at hand (a GPU, `benchmarks/gpu.sh step`):
 
-    python benchmarks/step.py --model .cache/smollm2-1.7b-shape --random-init --tie-share 0.5 \
+    python -m benchmarks.step --model .cache/smollm2-1.7b-shape --random-init --tie-share 0.5 \
         --completions 64 --generations 8 --completion-length 256 --methods grpo,gear
 """
 
@@ -53,7 +53,6 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -62,8 +61,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, machine, print_table, write_json
+from benchmarks.common import RESULTS, machine, print_table, write_json
 from gear.run import checkpointing_field
 from gear.testing import tied_reward
 

@@ -6,21 +6,18 @@ This generates one GEAR batch with the embedded model, then compares, at every p
 KL / entropy / log-probs from the generation states with those from a float32 forward and from
 an autocast forward of the same rows (the teacher states are shared).
 
-    .venv/bin/python benchmarks/student_states.py
+    .venv/bin/python -m benchmarks.student_states
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json
+from benchmarks.common import print_table, write_json
 
 
 def main() -> None:

@@ -10,9 +10,9 @@ the CPU time is the steadier measure of the work; run with OMP_NUM_THREADS=1 so 
 spinning thread inflates it), and the largest per-token KL(plain || shared) between the two
 passes' teacher distributions (0 up to float rounding).
 
-    .venv/bin/python benchmarks/teacher_pass.py --task bfcl       # function docs in the prompt
-    .venv/bin/python benchmarks/teacher_pass.py --task gsm8k      # reference solution as hint
-    .venv/bin/python benchmarks/teacher_pass.py --task arithmetic --completion-length 48
+    .venv/bin/python -m benchmarks.teacher_pass --task bfcl       # function docs in the prompt
+    .venv/bin/python -m benchmarks.teacher_pass --task gsm8k      # reference solution as hint
+    .venv/bin/python -m benchmarks.teacher_pass --task arithmetic --completion-length 48
                                                                   # the default run's rows
 """
 
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, write_json
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

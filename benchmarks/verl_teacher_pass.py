@@ -30,6 +30,7 @@ import resource
 import time
 
 import torch
+
 from benchmarks.common import RESULTS, PeakRSS, isolated, print_table, write_json
 
 PROMPT, HINT = 128, 32

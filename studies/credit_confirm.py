@@ -1,12 +1,12 @@
 """Issue 27: where GEAR's blame lands relative to the first error, and the pre-registered
 confirmation of the first-departure variants (BENCHMARKS.md, "First departure").
 
-    python studies/credit_confirm.py diagnose          # seconds once caches exist
-    python studies/credit_confirm.py confirm --workers 2
+    python -m studies.credit_confirm diagnose          # seconds once caches exist
+    python -m studies.credit_confirm confirm --workers 2
 
 `diagnose` reads natural failures of the gym's warm-started model (chain lengths 4 and 3; the
 same rollouts as the gym's localisation readout) and of SmolLM2-135M (the on-policy cache of
-`studies/localization.py natural`), and says, per KL estimator, where the KL mass, the
+`python -m studies.localization natural`), and says, per KL estimator, where the KL mass, the
 onsets and the extra blame of `gear`, `gear_departure` and `gear_departure_point` fall
 relative to the first wrong step: before it, on it, after it. Writes
 studies/results/credit_diagnosis.json and docs/credit_diagnosis.png.
@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,10 @@ import torch
 
 from gear import evidence
 from gear.evidence import bonferroni, bootstrap_difference
+from studies import localization as loc  # the on-policy study: SmolLM2's failed rows
+from studies import onpolicy
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import localization as loc  # noqa: E402  (the on-policy study: SmolLM2's failed rows)
-import onpolicy  # noqa: E402
 
 RESULTS = HERE / "results"  # where docs/evidence and the README cite them
 DOCS = HERE.parent / "docs"
@@ -466,9 +464,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "torch": torch.__version__,
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip(),
+        "commit": evidence.head_commit(HERE),
     }
 
 

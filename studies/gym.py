@@ -1,10 +1,10 @@
 """The credit gym (issue 20): every arm x seed on the chain task, paired statistics, JSON, plots.
 
-    python studies/gym.py --quick                 # smoke test, a few minutes
-    python studies/gym.py --workers 2             # the default grid: 10 arms x 20 seeds
-    python studies/gym.py --methods grpo --methods mymod:my_method --seeds 10
-    python studies/gym.py --sweep 0.05 0.1 0.2 0.4
-    python studies/gym.py --hint answer_only      # the teacher sees the final result alone
+    python -m studies.gym --quick                 # smoke test, a few minutes
+    python -m studies.gym --workers 2             # the default grid: 10 arms x 20 seeds
+    python -m studies.gym --methods grpo --methods mymod:my_method --seeds 10
+    python -m studies.gym --sweep 0.05 0.1 0.2 0.4
+    python -m studies.gym --hint answer_only      # the teacher sees the final result alone
 
 Writes studies/results/gym.json (gym_answer_only.json with --hint answer_only; or --out) and plots under studies/results/gym/.
 See docs/gym.md.

@@ -1,7 +1,7 @@
 """Why the sharp first-departure recipe diverges in the gym under an answer-only teacher.
 
-    python studies/gym_divergence.py --seeds 3 --steps 60
-    python studies/gym_divergence.py --arms sharp --arms "sharp@<guard>=..."   # a guard's effect
+    python -m studies.gym_divergence --seeds 3 --steps 60
+    python -m studies.gym_divergence --arms sharp --arms "sharp@<guard>=..."   # a guard's effect
 
 Trains each arm from the warm start shared by both contexts (`WarmStart(hints="both", teacher_steps=100)`) through the gym's
 own `rl_step`, and records at every step what the credit did to the failed rollouts: where each

@@ -2,8 +2,8 @@
 shape-matched placebo, per-seed results (the pre-registered grid of
 docs/evidence/2026-11-26-gym-fair.md).
 
-    OMP_NUM_THREADS=1 nohup python studies/gym_fair.py > gym_fair.log 2>&1 &   # resumable
-    python studies/gym_fair.py --summary-only                                  # re-read the JSONs
+    OMP_NUM_THREADS=1 nohup python -m studies.gym_fair > gym_fair.log 2>&1 &   # resumable
+    python -m studies.gym_fair --summary-only                                  # re-read the JSONs
 
 Writes studies/results/gym_fair/{all_steps,answer_only}.json (`gear.gym.run`'s result: every
 run's curve and each arm's `seed_table`) and summary.json (the pre-registered read-out). A

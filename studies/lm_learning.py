@@ -8,12 +8,12 @@ stop leaves complete pairs. Each finished run's record is written to
 resumes from its checkpoint. `grpo` seeds 0-7 and `gear` seeds 0-4 are issue 35's runs of the
 identical config, reused as the rule says.
 
-    python studies/lm_learning.py grid --workers 1     # resumable; runs what is missing
-    python studies/lm_learning.py status              # finished runs per arm (no scores)
-    python studies/lm_learning.py report              # the rule's analysis -> lm_learning.json
-    python studies/lm_learning.py report --final      # the budget ended: analyse complete rounds
-    python studies/lm_learning.py placebo --arm X     # a winner's shape-matched placebo (step 4)
-    python studies/lm_learning.py posthoc             # issue 53's post-hoc OAR-G arm (below)
+    python -m studies.lm_learning grid --workers 1     # resumable; runs what is missing
+    python -m studies.lm_learning status              # finished runs per arm (no scores)
+    python -m studies.lm_learning report              # the rule's analysis -> lm_learning.json
+    python -m studies.lm_learning report --final      # the budget ended: analyse complete rounds
+    python -m studies.lm_learning placebo --arm X     # a winner's shape-matched placebo (step 4)
+    python -m studies.lm_learning posthoc             # issue 53's post-hoc OAR-G arm (below)
 
 The grid runs from a fixed checkout of the rule's code, so that later edits cannot change an
 arm mid-grid (each record names its commit); records land in this tree's folder:
@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -41,8 +40,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lm_recipe  # the run machinery: gear train per run, records, resume
+from gear.evidence import RecordStore, git, head_commit, uncommitted
+from studies import lm_recipe  # the run machinery: gear train per run, records, resume
 
 ROOT = lm_recipe.ROOT
 RESULTS = lm_recipe.RESULTS
@@ -193,12 +192,14 @@ def placebo_keys(arm: str) -> dict[str, Any]:
 
 def record(arm: str, seed: int) -> dict | None:
     """The arm's finished run at `seed`: its own record or the rule's reused one."""
-    own = RECORDS / f"{arm}-seed{seed}.json"
-    if own.is_file():
-        return json.loads(own.read_text())
+    if (own := RecordStore(RECORDS).get(f"{arm}-seed{seed}")) is not None:
+        return own
     if arm in REUSED and seed in REUSED[arm][1]:
         name = REUSED[arm][0].format(seed=seed)
-        return json.loads((lm_recipe.RECORDS / f"{name}.json").read_text()) | {
+        reused = RecordStore(lm_recipe.RECORDS).get(name)
+        if reused is None:
+            raise FileNotFoundError(f"{arm} seed {seed}: the reused record {name} is not kept")
+        return reused | {
             "arm": arm,
             "reused_from": f"studies/results/lm_recipe_runs/{name}.json",
         }
@@ -216,8 +217,7 @@ def schedule(seeds: int) -> list[tuple[str, int]]:
 
 
 def placebo_record(arm: str, seed: int) -> dict | None:
-    path = RECORDS / f"placebo-{arm}-seed{seed}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return RecordStore(RECORDS).get(f"placebo-{arm}-seed{seed}")
 
 
 def run(arm: str, seed: int, placebo: bool = False) -> dict:
@@ -226,7 +226,7 @@ def run(arm: str, seed: int, placebo: bool = False) -> dict:
         raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
     name = f"placebo-{arm}-seed{seed}" if placebo else f"{arm}-seed{seed}"
     stage = "lm_learning_placebo" if placebo else "lm_learning"
-    meta = {"stage": stage, "arm": arm, "keys": keys, "commit": head_commit()}
+    meta = {"stage": stage, "arm": arm, "keys": keys, "commit": head_commit(ROOT)}
     return lm_recipe.train(name, keys, seed, meta, RUNS, RECORDS)
 
 
@@ -276,8 +276,7 @@ def posthoc_name(arm: str, seed: int) -> str:
 
 
 def posthoc_record(arm: str, seed: int) -> dict | None:
-    path = RECORDS / f"{posthoc_name(arm, seed)}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return RecordStore(RECORDS).get(posthoc_name(arm, seed))
 
 
 def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = False) -> None:
@@ -321,7 +320,7 @@ def posthoc_run(arm: str, seed: int) -> dict:
 
     name = posthoc_name(arm, seed)
     meta = {"stage": "lm_learning_posthoc", "post_hoc": "issue 53", "arm": arm,
-            "keys": POST_HOC[arm], "commit": head_commit()}  # fmt: skip
+            "keys": POST_HOC[arm], "commit": head_commit(ROOT)}  # fmt: skip
     r = lm_recipe.train(name, POST_HOC[arm], seed, meta, RUNS, RECORDS)
     if "oar_span_fallback" not in r and (RUNS / name / "metrics.jsonl").is_file():
         steps = [m for m in read_metrics(RUNS / name / "metrics.jsonl") if "reward" in m]
@@ -437,33 +436,19 @@ def first_steps(keys: dict[str, Any], seed: int, steps: int, run_dir: Path, src:
 def grid_tree() -> Iterator[Path]:
     """A temporary checkout of the grid's commit (a git worktree under RUNS)."""
     tree = RUNS / f"src-{GRID_COMMIT[:12]}"
-    worktree = ["git", "-C", str(ROOT), "worktree"]
-    subprocess.run([*worktree, "remove", "--force", str(tree)], capture_output=True)  # a stale one
-    subprocess.run([*worktree, "prune"], check=True)
-    subprocess.run([*worktree, "add", "--force", "--detach", str(tree), GRID_COMMIT], check=True)
+    git(ROOT, "worktree", "remove", "--force", str(tree))  # a stale one
+    git(ROOT, "worktree", "prune", check=True)
+    git(ROOT, "worktree", "add", "--force", "--detach", str(tree), GRID_COMMIT, check=True)
     try:
         yield tree
     finally:
-        done = subprocess.run([*worktree, "remove", "--force", str(tree)], capture_output=True)
+        done = git(ROOT, "worktree", "remove", "--force", str(tree))
         if done.returncode != 0:
-            print(f"could not remove the worktree {tree}: {done.stderr.decode()}", flush=True)
+            print(f"could not remove the worktree {tree}: {done.stderr}", flush=True)
 
 
 #: the code a run executes (what the pipeline check's reuse and refusal look at)
 CODE_PATHS = ("src", "studies", "pyproject.toml")
-
-
-def git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-
-
-def head_commit() -> str:
-    return git("rev-parse", "HEAD").stdout.strip()
-
-
-def uncommitted() -> str:
-    """Uncommitted changes to the code a run executes (runs record HEAD, not the tree)."""
-    return git("status", "--porcelain", "--", *CODE_PATHS).stdout.strip()
 
 
 def pipeline_check(arm: str, out: Path | None = None) -> dict:
@@ -475,16 +460,16 @@ def pipeline_check(arm: str, out: Path | None = None) -> dict:
     import torch
 
     out = out or RESULTS / "lm_learning_placebo_check.json"
-    if dirty := uncommitted():
+    if dirty := uncommitted(ROOT, CODE_PATHS):
         raise RuntimeError(f"commit the code first (runs record HEAD, not the tree):\n{dirty}")
-    head = head_commit()
+    head = head_commit(ROOT)
     keys = keys_of(arm)
     if keys is None:
         raise RuntimeError(f"{arm}: its teacher context is not decided yet (issue 36 partial)")
     capability = torch.backends.cpu.get_cpu_capability()
     if out.is_file():
         kept = json.loads(out.read_text())
-        same = git("diff", "--quiet", kept["head"], head, "--", *CODE_PATHS)
+        same = git(ROOT, "diff", "--quiet", kept["head"], head, "--", *CODE_PATHS)
         if (kept["arm"], kept["keys"], kept["capability"]) == (arm, keys, capability) and (
             same.returncode == 0
         ):
@@ -562,10 +547,11 @@ def budget(seeds: int) -> dict[str, Any]:
     time from above (the machine is shared, so this overcounts). A record's wall time is its
     last piece only: every earlier piece (a stopped run, resumed or restarted) is listed in
     DISCARDED with its wall seconds, and counts."""
+    store = RecordStore(RECORDS)
     own = [
-        json.loads(p.read_text())
-        for p in sorted(RECORDS.glob("*-seed*.json"))
-        if not p.name.startswith(("placebo-", "posthoc-"))
+        store.get(name)
+        for name in store.names("*-seed*")
+        if not name.startswith(("placebo-", "posthoc-"))
     ]
     used = (sum(r["wall_s"] for r in own) + sum(d["wall_s"] for d in DISCARDED)) / 3600
     # A round starts only if it is projected to end within the budget (the rule's 2026-11-26

@@ -14,11 +14,11 @@ Stages (the rule is written in docs/evidence/lm_recipe.md before any of their ru
   gate's LoRA and learning rate, scored by the same evaluation; it must show a gain.
 - `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
 
-    python studies/lm_recipe.py sweep --workers 2
-    python studies/lm_recipe.py gate --setting chosen --workers 2   # the rule's choice
-    python studies/lm_recipe.py main --workers 2
-    python studies/lm_recipe.py control --setting lora16_lr5e-4
-    python studies/lm_recipe.py report --setting lora16_lr5e-4
+    python -m studies.lm_recipe sweep --workers 2
+    python -m studies.lm_recipe gate --setting chosen --workers 2   # the rule's choice
+    python -m studies.lm_recipe main --workers 2
+    python -m studies.lm_recipe control --setting lora16_lr5e-4
+    python -m studies.lm_recipe report --setting lora16_lr5e-4
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from gear.evidence import RecordStore
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "studies" / "results"
@@ -107,9 +109,8 @@ def train(
 ) -> dict:
     """`gear train --seed seed --set keys` as run `name`, to its record `records/<name>.json`
     (read back if kept; resumed from its last checkpoint if stopped). `meta` joins the record."""
-    record = records / f"{name}.json"
-    if record.is_file():
-        return json.loads(record.read_text())
+    if (kept := RecordStore(records).get(name)) is not None:
+        return kept
     run_dir = runs / name
     resume = (run_dir / "config.yaml").is_file()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -154,11 +155,7 @@ def keep(run_dir: Path, records: Path, meta: dict[str, Any], wall: float, resume
 
 def write_record(record: dict, records: Path = RECORDS) -> dict:
     """Keep `record` as `records/<its name>.json`, atomically (a stop never leaves half a file)."""
-    records.mkdir(parents=True, exist_ok=True)
-    tmp = records / f".{record['name']}.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, records / f"{record['name']}.json")
-    return record
+    return RecordStore(records).put(record["name"], record)
 
 
 def ensure_before(stage: str, setting: str, method: str) -> None:
@@ -218,8 +215,8 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
     from gear.tasks import get_task
 
     name = run_name("control", setting, "sft", seed)
-    if (RECORDS / f"{name}.json").is_file():
-        return json.loads((RECORDS / f"{name}.json").read_text())
+    if (kept := RecordStore(RECORDS).get(name)) is not None:
+        return kept
     torch.set_num_threads(threads)
     t0 = time.time()
     cfg = resolve_config(None, settings_of("gate", setting, "grpo"))
@@ -280,7 +277,7 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
 
 
 def records(stage: str, setting: str | None = None) -> list[dict]:
-    out = [json.loads(p.read_text()) for p in sorted(RECORDS.glob(f"{stage}-*.json"))]
+    out = RecordStore(RECORDS).all(f"{stage}-*")
     return [r for r in out if setting is None or r["setting"] == setting]
 
 

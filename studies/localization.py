@@ -13,10 +13,10 @@ Two stages: ``natural`` samples and caches each prompt's records (signals, first
 resumable, one cache entry per prompt); ``natural-metrics`` computes every method from the cache
 in seconds and writes studies/results/localization.json ("natural").
 
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/localization.py natural --natural-prompts 240
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/localization.py natural --placebo-set \\
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m studies.localization natural --natural-prompts 240
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m studies.localization natural --placebo-set \\
         --placebo-prompts 216   # correct rows of easier prompts: credit_confirm's placebo
-    .venv/bin/python studies/localization.py natural-metrics
+    .venv/bin/python -m studies.localization natural-metrics
 
 The caches (runs/localization/{natural,placebo}.pt) feed studies/credit_confirm.py too. The
 injected-error stages of this study are retired: studies/archive/localization_injected.py.
@@ -36,9 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
-import onpolicy
 from gear.evidence import bootstrap
+from studies import onpolicy
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "studies" / "results"  # where docs/evidence and the README cite it

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gear.evidence import replacing
+
 #: the on-policy failures: 2- and 3-step problems
 NATURAL_MIX = {"multistep": 0.5, "chain": 0.5}
 #: the placebo's extra prompts: one-equation 1- and 2-digit problems the model gets right more
@@ -304,10 +306,8 @@ def load_cache(path: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def save_cache(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
-    tmp.replace(path)
+    with replacing(path) as tmp:  # atomic: a stopped study resumes from the last whole cache
+        torch.save(data, tmp)
 
 
 def prompt_records(

@@ -15,14 +15,14 @@ method's localisation L (the top weight on the wrong equation or the token after
 negative-blame share on it, placebo-corrected with a 95% bootstrap over prompts.
 
     # the rows, sampled once and shared by every context (skip if runs/localization has them)
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python studies/localization.py natural \\
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m studies.localization natural \\
         --natural-prompts 200 --cache .cache/teacher_contexts
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python studies/localization.py natural \\
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m studies.localization natural \\
         --placebo-set --placebo-prompts 100 --cache .cache/teacher_contexts
     # the other contexts' teacher passes (resumable: one cache per teacher, one entry per prompt)
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python studies/teacher_contexts.py signals \\
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m studies.teacher_contexts signals \\
         --rows .cache/teacher_contexts
-    .venv/bin/python studies/teacher_contexts.py metrics --rows .cache/teacher_contexts
+    .venv/bin/python -m studies.teacher_contexts metrics --rows .cache/teacher_contexts
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
-import localization as loc  # the batching, per-row metrics and placebo
-import onpolicy  # the rows: forwards, rendering, caches
 from gear.evidence import bootstrap, bootstrap_difference
+from studies import localization as loc  # the batching, per-row metrics and placebo
+from studies import onpolicy  # the rows: forwards, rendering, caches
 
 ROOT = Path(__file__).parent.parent
 CACHE = ROOT / ".cache" / "teacher_contexts"  # git-ignored
@@ -258,7 +257,9 @@ def load_rows(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     rows = {**onpolicy.load_cache(Path(args.rows) / "natural.pt"),
             **onpolicy.load_cache(Path(args.rows) / "placebo.pt")}  # fmt: skip
     if not rows:
-        sys.exit(f"no rows in {args.rows}: run studies/localization.py natural first (docstring)")
+        sys.exit(
+            f"no rows in {args.rows}: run `python -m studies.localization natural` first (docstring)"
+        )
     return rows
 
 
@@ -306,13 +307,12 @@ def commands(groups: list[str], rows: str) -> list[str]:
     """The commands that made a result on `groups` (prompts "natural-j" / "placebo-j")."""
     n = {k: 1 + max((int(g.split("-")[1]) for g in groups if g.startswith(k)), default=-1)
          for k in ("natural", "placebo")}  # fmt: skip
-    run = "OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python studies/"
+    run = "OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m studies."
     return [
-        f"{run}localization.py natural --natural-prompts {n['natural']} --cache {rows}",
-        f"{run}localization.py natural --placebo-set --placebo-prompts {n['placebo']} "
-        f"--cache {rows}",
-        f"{run}teacher_contexts.py signals --rows {rows}",
-        f".venv/bin/python studies/teacher_contexts.py metrics --rows {rows}",
+        f"{run}localization natural --natural-prompts {n['natural']} --cache {rows}",
+        f"{run}localization natural --placebo-set --placebo-prompts {n['placebo']} --cache {rows}",
+        f"{run}teacher_contexts signals --rows {rows}",
+        f".venv/bin/python -m studies.teacher_contexts metrics --rows {rows}",
     ]
 
 

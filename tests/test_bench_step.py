@@ -5,19 +5,14 @@ GRPO runs none."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-from gear.tasks import get_task
-from gear.testing import byte_tokenizer, tiny_model
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import trl as step_trl
 
-import step
+from benchmarks import step
+from gear.tasks import get_task
+from gear.testing import byte_tokenizer, tiny_model
 
 
 @pytest.fixture

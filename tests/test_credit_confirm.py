@@ -3,13 +3,9 @@ results: each condition of the rule can fail a candidate on its own."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
-import credit_confirm as cc
+from studies import credit_confirm as cc
 
 
 def gym(gains: dict[str, float], hits: dict[str, float], n: int = 20) -> dict:

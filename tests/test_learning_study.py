@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies" / "archive"))
-import learning_study as ls
+from studies.archive import learning_study as ls
 
 
 def test_bootstrap_mean_is_exact_without_spread_and_brackets_the_mean_with_it():

@@ -5,15 +5,12 @@ steps: an archived study's code still runs."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies" / "archive"))
-import lm_credit as lc
+from studies.archive import lm_credit as lc
 
 TINY = lc.LMConfig(
     steps=1, prompts=2, group=4, max_new_tokens=8, eval_n=4, tiny=True, warm_steps=1, warm_batch=2

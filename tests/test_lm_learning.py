@@ -5,14 +5,12 @@ rule's analysis on synthetic records. No training runs."""
 from __future__ import annotations
 
 import json
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
-import lm_learning as ll
+from studies import lm_learning as ll
 
 
 def fake(arm: str, seed: int, after: float, before: float = 0.3) -> dict:
@@ -329,7 +327,7 @@ def pipeline(study, monkeypatch):
 
     monkeypatch.setattr(ll, "first_steps", first_steps)
     monkeypatch.setattr(ll, "grid_tree", lambda: nullcontext(study / "grid_tree"))
-    monkeypatch.setattr(ll, "uncommitted", lambda: "")
+    monkeypatch.setattr(ll, "uncommitted", lambda *a: "")
     monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX2")
     (study / "lm_learning_runs").mkdir()
     (study / "lm_learning_runs" / "rlsd-seed0.json").write_text(json.dumps(fake("rlsd", 0, 0.5)))
@@ -372,7 +370,7 @@ def test_pipeline_check_is_reused_only_for_the_same_arm_keys_and_code(study, pip
     monkeypatch.setattr(ll, "keys_of", lambda arm: keys | {"credit_rlsd_lambda": 0.3})
     ll.pipeline_check("rlsd")
     assert len(pipeline["runs"]) == 4  # other keys: run again
-    monkeypatch.setattr(ll, "uncommitted", lambda: " M src/gear/run.py")
+    monkeypatch.setattr(ll, "uncommitted", lambda *a: " M src/gear/run.py")
     with pytest.raises(RuntimeError, match="commit the code first"):
         ll.pipeline_check("rlsd")
 

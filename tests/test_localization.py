@@ -5,15 +5,12 @@ and the placebo. No real model: the byte tokenizer and a tiny random Llama."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
-import localization as loc
-import onpolicy
+from studies import localization as loc
+from studies import onpolicy
 
 
 def test_error_token_span_on_the_byte_tokenizer():

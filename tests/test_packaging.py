@@ -52,12 +52,13 @@ def _setuptools_77() -> bool:
 
 
 @pytest.mark.skipif(not _setuptools_77(), reason="needs setuptools>=77 in the venv (no download)")
-def test_the_wheel_contains_the_recipes_and_gear_testing(tmp_path):
+def test_the_wheel_holds_the_recipes_and_gear_testing_and_only_gear(tmp_path):
     # build from a copy: no build/ left in the checkout, no stale build/lib file in the wheel
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "--", "pyproject.toml", "README.md", "src"],
         cwd=ROOT, check=True, capture_output=True, text=True,
     ).stdout.split()  # fmt: skip
+    files += ["studies/__init__.py", "benchmarks/__init__.py"]  # packages that must not ship
     tree = tmp_path / "tree"
     for name in files:
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +70,8 @@ def test_the_wheel_contains_the_recipes_and_gear_testing(tmp_path):
     for recipe in recipe_names():
         assert f"gear/configs/{recipe}.yaml" in names
     assert "gear/testing.py" in names and "gear/precision.py" in names
+    # only gear ships: the studies and benchmarks are run from a checkout
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"gear"}
 
 
 def test_a_recipe_extends_another_key_by_key(tmp_path):

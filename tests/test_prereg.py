@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from gear import evidence
 from gear.evidence import first_commit, preregistered
 
 
@@ -77,3 +78,19 @@ def test_a_moved_rule_keeps_its_date_and_a_section_is_found_by_its_text(repo):
     assert (rec["rule_commit"], rec["results_commit"], rec["precedes"]) == (rule, results, True)
     assert first_commit("docs_rule.md", repo) != rule  # the file itself is older than the rule
     assert first_commit("docs_rule.md", repo, text="never written") is None
+
+
+def test_the_git_helpers_record_head_and_see_uncommitted_code(repo):
+    c0 = commit(repo, {"src/a.py": "x = 1\n", "notes.md": "n\n"}, "start")
+    assert evidence.head_commit(repo) == c0
+    assert evidence.uncommitted(repo, ["src"]) == ""
+    (repo / "src" / "a.py").write_text("x = 2\n")  # the code a run executes
+    (repo / "notes.md").write_text("edited\n")  # not code: not asked about
+    assert evidence.uncommitted(repo, ["src"]) == "M src/a.py"
+    assert evidence.git(repo, "diff", "--quiet", "--", "notes.md").returncode == 1
+    with pytest.raises(RuntimeError, match="git rev-parse nope failed"):
+        evidence.git(repo, "rev-parse", "nope", check=True)
+
+
+def test_head_commit_outside_a_repository_is_empty(tmp_path):
+    assert evidence.head_commit(tmp_path / "nowhere") == ""

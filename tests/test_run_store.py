@@ -10,12 +10,14 @@ import os
 import pytest
 
 from gear.evidence import (
+    RecordStore,
     RunStore,
     bonferroni,
     code_digest,
     mde,
     n_for_power,
     power_at,
+    replacing,
     run_key,
     write_json,
 )
@@ -69,6 +71,33 @@ def test_a_write_is_atomic_and_a_temporary_is_never_a_run(tmp_path):
     store.put({"seed": 0}, {"step0": 1.0}, prefix="base-")
     assert store.kept() == [store.key(p)] and store.kept("base-") == [store.key({"seed": 0})]
     assert json.loads(write_json(tmp_path / "sub" / "x.json", [1, 2]).read_text()) == [1, 2]
+
+
+def test_a_block_that_fails_leaves_the_kept_file_as_it_was(tmp_path):
+    path = tmp_path / "x.pt"
+    path.write_text("kept")
+    with pytest.raises(ValueError), replacing(path) as tmp:
+        tmp.write_text("half")
+        raise ValueError("killed while writing")
+    assert path.read_text() == "kept"
+    with replacing(path) as tmp:  # a writer that needs a path (torch.save)
+        tmp.write_bytes(b"new")
+    assert path.read_bytes() == b"new" and not tmp.exists()
+
+
+def test_a_named_record_is_kept_with_the_bytes_the_studies_committed(tmp_path):
+    store = RecordStore(tmp_path / "runs")
+    assert store.get("gate-seed0") is None and store.all() == []
+    record = {"name": "gate-seed0", "after": {"mean_reward": 0.5}, "reward": [0.1, 0.2]}
+    assert store.put("gate-seed0", record) is record
+    # the studies' committed records are json.dumps(indent=1), no trailing newline
+    assert store.path("gate-seed0").read_text() == json.dumps(record, indent=1)
+    store.put("main-seed1", {"name": "main-seed1"})
+    store.path("gate-seed1").with_suffix(".json.99.tmp").write_text('{"half": ')
+    assert store.get("gate-seed0") == record
+    assert store.names() == ["gate-seed0", "main-seed1"]
+    assert [r["name"] for r in store.all()] == ["gate-seed0", "main-seed1"]
+    assert store.all("gate-*") == [record]
 
 
 def test_the_key_follows_the_code_and_every_parameter(tmp_path):

@@ -5,14 +5,11 @@ the byte tokenizer and a tiny random Llama."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies"))
-import onpolicy
-import teacher_contexts as tc
+from studies import onpolicy
+from studies import teacher_contexts as tc
 
 PROMPT = [{"role": "user", "content": "What is 12 + 5 - 3?"}]
 SOLUTION = "12 + 5 = 17, then 17 - 3 = 14. The answer is 14."

@@ -4,16 +4,12 @@ autograd, and the decision rule applies its gates. Tiny random models, no downlo
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "studies" / "archive"))
-import update_gain as ug
 from gear.testing import byte_tokenizer, tiny_model
+from studies.archive import update_gain as ug
 
 
 @pytest.fixture(scope="module")

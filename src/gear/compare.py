@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -246,11 +245,9 @@ def git_record(out: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> di
     """Where `out` is under git: the rule's first commit and whether it precedes every
     committed result (`gear.evidence.preregistered` on each run's summary.json); None
     elsewhere. "blocks" is True where a result was committed before the rule or with it."""
-    from gear.evidence import first_commit, preregistered
+    from gear.evidence import first_commit, git, preregistered
 
-    top = subprocess.run(
-        ["git", "-C", str(out), "rev-parse", "--show-toplevel"], capture_output=True, text=True
-    )
+    top = git(out, "rev-parse", "--show-toplevel")
     if top.returncode != 0:
         return None
     root = Path(top.stdout.strip()).resolve()

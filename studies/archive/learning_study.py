@@ -1,8 +1,8 @@
 """The learning study of issue 13 §2 (its power is reported, see BENCHMARKS.md): GEAR vs GRPO, several seeds, 300+ held-out problems.
 
 ```
-python studies/archive/learning_study.py run          # train what is missing (resumable), then aggregate
-python studies/archive/learning_study.py aggregate    # JSON + table + figure from the finished runs
+python -m studies.archive.learning_study run          # train what is missing (resumable), then aggregate
+python -m studies.archive.learning_study aggregate    # JSON + table + figure from the finished runs
 ```
 
 Every run trains SmolLM2-135M-Instruct with `studies/archive/learning_study.yaml`, through `gear
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import shutil
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from gear.evidence import n_for_power, power_at, t_interval
+from gear.evidence import n_for_power, power_at, t_interval, write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).with_suffix(".yaml")
@@ -72,11 +71,9 @@ def log(message: str) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: two study processes (one per method) may
-    aggregate at once, and a reader must never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write via a temporary file and a rename (`gear.evidence.write_text`): two study processes
+    (one per method) may aggregate at once, and a reader must never see half a file."""
+    write_text(path, text)
 
 
 def load_config(path: Path) -> dict[str, Any]:

@@ -33,8 +33,8 @@ pieces: batched sampling (`onpolicy.sample_groups`), the hinted teacher prompt
   rerun reads it back (`reused_runs`). `--workers 2` spreads the runs over processes, one thread
   each.
 
-    OMP_NUM_THREADS=1 python studies/archive/lm_credit.py --arms grpo oracle_sharp --seeds 0 1 --steps 12
-    python studies/archive/lm_credit.py --tiny ...   # a tiny random model (tests)
+    OMP_NUM_THREADS=1 python -m studies.archive.lm_credit --arms grpo oracle_sharp --seeds 0 1 --steps 12
+    python -m studies.archive.lm_credit --tiny ...   # a tiny random model (tests)
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ import torch
 from gear import evidence
 from gear.evidence import mde, n_for_power, power_at
 from gear.evidence import paired as paired_diff
+from studies import onpolicy  # the named arms' rows
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent))  # studies/: onpolicy, credit_confirm (the named arms)
-import onpolicy  # noqa: E402
 
 RESULTS = HERE / "results"
 #: finished runs are kept in the repository (a few kB each) so that the grid resumes across
@@ -103,7 +102,7 @@ NAMED_ARMS: dict[str, str] = {}
 
 def arm_spec(arm: str) -> str:
     if not NAMED_ARMS:
-        import credit_confirm
+        from studies import credit_confirm
 
         NAMED_ARMS.update(credit_confirm.CANDIDATES)
     return NAMED_ARMS.get(arm, arm)
@@ -156,8 +155,8 @@ def warm_model(cfg: LMConfig, runs: Path | None = None, log: Any = print) -> tup
             flush=True)  # fmt: skip
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        with evidence.replacing(path) as tmp:
+            torch.save(model.state_dict(), tmp)
     return model, tok
 
 
@@ -390,9 +389,7 @@ def base_eval(seed: int, cfg: LMConfig, runs: Path | None = None) -> dict[str, f
     task, _, test = task_rows(cfg)
     out = evaluate(model, tok, task, test, seed=7_919 + seed)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(out))
-        path.with_suffix(".tmp").replace(path)  # atomic, as every kept result
+        evidence.write_json(path, out)  # atomic, as every kept result
     return out
 
 

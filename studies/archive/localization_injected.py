@@ -23,10 +23,10 @@ Two stages: ``signals`` runs the model once and caches the per-token signals (re
 ``metrics`` computes every method, the sweeps, the JSON, the figure and the viewer records from
 the cache in seconds.
 
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/archive/localization_injected.py signals
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/archive/localization_injected.py signals --reverse
-    .venv/bin/python studies/archive/localization_injected.py metrics
-    .venv/bin/python studies/archive/localization_injected.py table
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m studies.archive.localization_injected signals
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m studies.archive.localization_injected signals --reverse
+    .venv/bin/python -m studies.archive.localization_injected metrics
+    .venv/bin/python -m studies.archive.localization_injected table
     .venv/bin/gear inspect studies/archive/results/localization_records --out /tmp/localization.html
 """
 
@@ -46,13 +46,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gear.evidence import bootstrap
+from studies import localization as loc  # the on-policy study's shared pieces
+from studies import onpolicy
+from studies.onpolicy import EQUATION, Case, first_difference
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))  # studies/: the on-policy study's shared pieces
-import localization as loc  # noqa: E402
-import onpolicy  # noqa: E402
-from gear.evidence import bootstrap  # noqa: E402
-from onpolicy import EQUATION, Case, first_difference  # noqa: E402
 
 RESULTS = HERE / "results"
 GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"

@@ -24,9 +24,9 @@ positive control: the batch prompts' reference solutions, teacher-forced; must g
 
 Stages (resumable: one file per batch under `--cache`, skipped when present):
 
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/archive/update_gain.py collect --batches 100
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python studies/archive/update_gain.py collect --reverse  # 2nd core
-    .venv/bin/python studies/archive/update_gain.py metrics  # -> studies/archive/results/update_gain.json
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m studies.archive.update_gain collect --batches 100
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m studies.archive.update_gain collect --reverse  # 2nd core
+    .venv/bin/python -m studies.archive.update_gain metrics  # -> studies/archive/results/update_gain.json
 """
 
 from __future__ import annotations
@@ -44,13 +44,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gear.evidence import t_interval
-
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "studies"))  # the on-policy rows and their signals
-import localization as loc  # noqa: E402
-from onpolicy import (  # noqa: E402
+from gear.evidence import replacing, t_interval
+from studies import localization as loc  # the on-policy rows and their signals
+from studies.onpolicy import (
     Case,
     char_to_token_span,
     check_rollout,
@@ -59,6 +55,9 @@ from onpolicy import (  # noqa: E402
     sample_groups,
     token_offsets,
 )
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
 
 RESULTS = HERE / "results"
 CACHE = ROOT / "runs" / "update_gain" / "default"
@@ -289,7 +288,7 @@ def collect_batch(
 
 
 def run_collect(args: argparse.Namespace) -> None:
-    from common import machine
+    from benchmarks.common import machine
 
     torch.set_num_threads(args.threads)
     cache = Path(args.cache)
@@ -303,8 +302,8 @@ def run_collect(args: argparse.Namespace) -> None:
     else:
         grad, J, n_tok = held_out_gradient(model, tok, list(test))
         g = {"grad": grad, "J": J, "tokens": n_tok}
-        torch.save(g, gpath.with_suffix(".tmp"))
-        gpath.with_suffix(".tmp").replace(gpath)
+        with replacing(gpath) as tmp:
+            torch.save(g, tmp)
         log(f"held-out J = {J:.4f} over {n_tok} tokens; gradient saved")
     mach = {**machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     meta = {"machine": mach, "args": vars(args), "J": g["J"], "eval_tokens": g["tokens"]}
@@ -316,8 +315,8 @@ def run_collect(args: argparse.Namespace) -> None:
         if path.is_file():
             continue
         res = collect_batch(b, model, tok, task, train, g["grad"], args)
-        torch.save(res, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        with replacing(path) as tmp:
+            torch.save(res, tmp)
         done += 1
         sec = res["seconds"]
         log(f"batch {b + 1}/{args.batches}: {len(res['groups'])} groups kept, "

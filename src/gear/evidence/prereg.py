@@ -14,12 +14,29 @@ copied out of one file into another (not a git rename) is dated at the file it w
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+def git(repo: str | Path, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """`git -C repo args`, its output captured as text: the one way gear and its studies ask
+    git. With `check`, a failure raises, naming the command and git's message."""
+    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed in {repo}: {out.stderr.strip()}")
+    return out
+
+
+def head_commit(repo: str | Path = ".") -> str:
+    """The full hash of `repo`'s HEAD, the commit a run records ('' outside a git repository)."""
+    return git(repo, "rev-parse", "HEAD").stdout.strip()
+
+
+def uncommitted(repo: str | Path, paths: Iterable[str | Path]) -> str:
+    """`git status --porcelain` of `paths` in `repo`: '' when every change to them is committed
+    (a run records HEAD, not the tree, so a study refuses to run on uncommitted code)."""
+    return git(repo, "status", "--porcelain", "--", *map(str, paths)).stdout.strip()
 
 
 def first_commit(path: str | Path, repo: str | Path = ".", text: str | None = None) -> str | None:
@@ -28,7 +45,7 @@ def first_commit(path: str | Path, repo: str | Path = ".", text: str | None = No
     or the text is not committed)."""
     # newest first, the oldest last (--reverse would not follow renames)
     args = ["log", "--format=%H", "--follow", *([f"-S{text}"] if text is not None else [])]
-    out = _git(Path(repo), *args, "--", str(path))
+    out = git(Path(repo), *args, "--", str(path))
     if out.returncode != 0:
         raise RuntimeError(f"first_commit: git log failed in {repo}: {out.stderr.strip()}")
     commits = out.stdout.split()
@@ -49,7 +66,7 @@ def preregistered(
         rule_commit is not None
         and results_commit is not None
         and rule_commit != results_commit
-        and _git(repo, "merge-base", "--is-ancestor", rule_commit, results_commit).returncode == 0
+        and git(repo, "merge-base", "--is-ancestor", rule_commit, results_commit).returncode == 0
     )
     return {
         "rule": str(rule),

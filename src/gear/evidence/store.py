@@ -11,6 +11,8 @@ then a rename), so a killed run leaves no half-written result, and a temporary i
     result = store.get(params)
     if result is None:
         result = store.put(params, train(...))
+
+`RecordStore` keeps runs under names a study chooses instead (`records/<name>.json`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import inspect
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,15 +50,24 @@ def run_key(params: Mapping[str, Any], code: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically: a temporary named by this process, then a rename, so a
-    reader (or a resumed run) never sees half a file. The one atomic writer of the project."""
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path` (named by this process) to write in the block, renamed onto
+    `path` when the block ends without an error, so a reader (or a resumed run) never sees half a
+    file. The one atomic write of the project: `write_text` goes through it, and a writer that
+    needs a path of its own uses it directly (`with replacing(p) as tmp: torch.save(x, tmp)`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    yield tmp
     tmp.replace(path)
-    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically (`replacing`)."""
+    with replacing(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 def write_json(path: Path, obj: Any, indent: int | None = None) -> Path:
@@ -106,3 +118,36 @@ class RunStore:
         grid = list(grid)
         missing = [dict(p) for p in grid if not self.path(p, prefix).is_file()]
         return {"kept": len(grid) - len(missing), "missing": missing, "of": len(grid)}
+
+
+@dataclass(frozen=True)
+class RecordStore:
+    """Finished runs under `root` kept by name, `<root>/<name>.json`: for a study that names its
+    runs itself (`gate-lora16_lr5e-4-grpo-seed3`) and commits each record as it lands, where
+    `RunStore` keys them by a digest of their code. Written as JSON with `indent`, atomically;
+    the studies' records use indent 1, so a record read and rewritten keeps its bytes."""
+
+    root: Path
+    indent: int | None = 1
+
+    def path(self, name: str) -> Path:
+        return Path(self.root) / f"{name}.json"
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        """The record `name`, or None if it is not kept."""
+        path = self.path(name)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def put(self, name: str, record: Any) -> Any:
+        """Keep `record` as `name` (atomically); returns `record`."""
+        write_json(self.path(name), record, indent=self.indent)
+        return record
+
+    def names(self, pattern: str = "*") -> list[str]:
+        """The names of the kept records that match the glob `pattern`, sorted (temporaries and
+        other files are not records)."""
+        return sorted(p.name[: -len(".json")] for p in Path(self.root).glob(f"{pattern}.json"))
+
+    def all(self, pattern: str = "*") -> list[dict[str, Any]]:
+        """Every record whose name matches the glob `pattern`, in name order."""
+        return [json.loads(self.path(n).read_text()) for n in self.names(pattern)]
