@@ -263,9 +263,11 @@ POST_HOC: dict[str, dict[str, Any]] = {
     # OAR-G as designed (issue 53): phi on the completion's parsed final answer ("4" "2", no
     # end token), from raw logits; the rule's `oar_g` scored its last 2 tokens ("2" and
     # <|im_end|>) at the sampling temperature
-    "oar_g_answer_span": {"credit_method": "oar_g", "credit_oar_span": "answer"},
+    # float32, as the grid ran (its AVX2 CPU has no native bf16, so `bf16: auto` chose float32):
+    # on an AVX512-BF16 CPU `auto` would choose bf16 autocast, a second change beside the span
+    "oar_g_answer_span": {"credit_method": "oar_g", "credit_oar_span": "answer", "bf16": False},
     # GRPO again at this commit on this machine (`posthoc --baseline`): a pair on one CPU class
-    "grpo_here": {"credit_method": "grpo"},
+    "grpo_here": {"credit_method": "grpo", "bf16": False},
 }
 POST_HOC_ARM = "oar_g_answer_span"
 POST_HOC_CHECK = "lm_learning_posthoc_check.json"  # in RESULTS
