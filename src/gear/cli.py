@@ -168,7 +168,7 @@ NAMED_KEYS = {"method": "credit_method", "steps": "max_steps"}  # option -> conf
 
 
 def _overrides(pairs: list[str] | None, **named: Any) -> dict[str, Any]:
-    from gear.run import parse_value
+    from gear.config import parse_value
 
     out: dict[str, Any] = {}
     for pair in pairs or []:
@@ -228,8 +228,9 @@ def train(
     `credit_log_steps`, `credit_log_rows`); an option that would change anything else is an
     error, never ignored.
     """
-    from gear.run import RunStopped, resolve_config, resume_config
+    from gear.config import resolve_config, resume_config
     from gear.run import train as run_train
+    from gear.run_callbacks import RunStopped
 
     named = dict(
         model=model, task=task, method=method, steps=steps, seed=seed, output_dir=output_dir
@@ -263,7 +264,7 @@ def _dry_run(cfg: Any) -> None:
     """Everything `gear train` checks before loading a model, then the resolved config."""
     import yaml
 
-    from gear.run import default_run_dir, run_precision, trainer_args
+    from gear.config import default_run_dir, run_precision, trainer_args
     from gear.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_options)
@@ -533,8 +534,9 @@ def compare(
     the worst seeds and one verdict. Run the same command again to resume a stopped study.
     """
     from gear import compare as study
-    from gear.run import RunStopped, resolve_config, resume_config
+    from gear.config import resolve_config, resume_config
     from gear.run import train as run_train
+    from gear.run_callbacks import RunStopped
 
     if plan:
         try:

@@ -65,7 +65,8 @@ def check_config(cfg: Any, run_dir: Path) -> None:
     """What `gear train` checks of a run's config before it loads a model (the task, the
     precision, the trainer's fields, LoRA), for every arm before the study's first run; writes
     nothing. A ValueError (or NotImplementedError) names what is wrong."""
-    from gear.run import lora_config, run_precision, trainer_args
+    from gear.config import run_precision, trainer_args
+    from gear.run import lora_config
     from gear.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_options)
