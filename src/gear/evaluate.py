@@ -168,6 +168,24 @@ def evaluate(
     return EvalResult(task.name, split, len(results), samples, temperature, pass_at, results)
 
 
+def write_report(out_dir: Path, model: str, task: str, result: EvalResult) -> Path:
+    """`gear eval`'s report in `out_dir`: eval_<task>_<split>.json (the summary and every row)
+    and a Markdown table of the summary beside it (`task`: the task as the user named it);
+    returns the JSON's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"eval_{task}_{result.split}"
+    summary = {"model": model, **result.summary()}
+    (out_dir / f"{stem}.json").write_text(json.dumps({**summary, "rows": result.rows}, indent=2))
+    md = [
+        f"# Evaluation of `{model}` on {task}/{result.split}",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ] + [f"| {k} | {v} |" for k, v in summary.items()]
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    return out_dir / f"{stem}.json"
+
+
 # -------------------------------------------------------------------------- during a run
 
 
