@@ -12,9 +12,9 @@ import yaml
 from typer.testing import CliRunner
 
 from gear.cli import app
+from gear.config import resolve_config
 from gear.models import tiny_model_and_tokenizer
 from gear.precision import cpu_capability, native_cpu_bf16
-from gear.run import resolve_config
 
 runner = CliRunner()
 TINY = [
@@ -182,7 +182,7 @@ def test_resume_continues_from_the_last_checkpoint_and_resolves_bf16_auto_again(
 def test_resume_uses_exactly_the_saved_config_of_a_run_started_from_a_yaml(tiny_dir, tmp_path):
     """Keys the user's YAML left out keep GEARConfig's defaults on resume: nothing of gear's
     `default` recipe is merged in (it would set learning_rate 1e-5, max_completion_length 48)."""
-    from gear.run import read_run_config, resolve_config, resume_config
+    from gear.config import read_run_config, resolve_config, resume_config
 
     user = tmp_path / "mine.yaml"
     user.write_text(
@@ -210,7 +210,7 @@ def test_resume_uses_exactly_the_saved_config_of_a_run_started_from_a_yaml(tiny_
 
 
 def test_a_config_yaml_of_an_older_gear_with_bf16_resolved_resumes_as_auto(tmp_path):
-    from gear.run import read_run_config
+    from gear.config import read_run_config
 
     (tmp_path / "config.yaml").write_text(
         yaml.safe_dump({"model": "smollm2", "trainer": {"bf16": True, "max_steps": 3},
@@ -353,7 +353,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(args, message, tiny_dir, 
 
 def test_help_lists_every_shipped_recipe():
     """The recipe list in --help comes from the package, so a new recipe cannot be missing."""
-    from gear.run import recipe_names
+    from gear.config import recipe_names
 
     for command in ("train", "compare"):
         text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=200).output.split())

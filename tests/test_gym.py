@@ -594,3 +594,56 @@ def test_the_anchor_holds_the_unhinted_rows_to_the_frozen_model():
     assert all(
         torch.allclose(a, b, atol=1e-6) for a, b in zip(before, model.parameters(), strict=True)
     )
+
+
+def test_runs_kept_before_the_run_store_are_still_found(tmp_path):
+    """The gym keeps its runs in a `gear.evidence.RunStore` (issue 50): the key and file name
+    are the ones it wrote by hand before (16 hex digits of SHA-256 over the parameters plus the
+    code digest, as `<key>.json` under the cache's runs/), so a kept run is read back, not
+    rerun."""
+    import hashlib
+    import importlib
+    import inspect
+    from dataclasses import asdict
+    from pathlib import Path
+
+    gym_run = importlib.import_module("gear.gym.run")  # `import gear.gym.run` is the function
+    from gear.credit.methods import METHODS
+    from gear.evidence import RunStore, code_digest
+
+    arm, rl, task = parse_arm("gear@tau_onset=0.1"), RLConfig(), ChainTask(3)
+    here = Path(gym_run.__file__).parent  # the digest the gym computed by hand
+    files = [here / n for n in ("task.py", "model.py", "train.py")]
+    files += sorted((here.parent / "credit").glob("*.py"))
+    files.append(Path(inspect.getsourcefile(METHODS[arm.method].fn)))
+    params = {
+        "task": asdict(task), "warm": "w", "method": arm.method, "estimator": arm.estimator,
+        "oracle": arm.oracle, "lr": arm.lr, "held_out": 1, "params": asdict(arm.params(2)),
+        "seed": 2, "rl": asdict(rl), "torch": torch.__version__,
+        "code": code_digest(files=dict.fromkeys(files))[:16],
+    }  # fmt: skip
+    old_key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    assert gym_run.run_key(arm, 2, rl, "w", task, held_out=1) == old_key
+
+    store = RunStore(tmp_path, gym_run.run_code(arm))
+    kept = {"seed": 2, "curve": [], "final": 0.25}
+    (tmp_path / f"{old_key}.json").write_text(json.dumps(kept))
+    job = (arm.name, arm.spec, 2, task, TINY, None, rl, 1, store, gym_run.run_params(
+        arm, 2, rl, "w", task, held_out=1))  # fmt: skip
+    assert gym_run._job(job) == kept | {"arm": arm.name, "warm": 1, "reused": True}
+
+
+def test_gear_gym_run_is_the_function_and_its_module_is_importable():
+    """`gear.gym.run` names the function users call (`from gear.gym import run`); the module
+    that holds it, gear/gym/run.py, is reached by `importlib.import_module` or `from gear.gym.run
+    import NAME` (`import gear.gym.run as m` gives the function: the package attribute wins)."""
+    import importlib
+
+    import gear.gym
+
+    module = importlib.import_module("gear.gym.run")
+    assert callable(run) and run is gear.gym.run is module.run
+    assert gear.gym.table is module.table and gear.gym.run_key is module.run_key
+    from gear.gym.run import table
+
+    assert table is module.table

@@ -365,7 +365,8 @@ def scores(n: int = 4) -> dict:
 def test_a_damaged_eval_cache_entry_is_recomputed_with_a_note_never_trusted(
     tmp_path, monkeypatch, entry, problem
 ):
-    from gear.run import _eval_cache_file, cached_eval_before, resolve_config, store_eval_before
+    from gear.config import resolve_config
+    from gear.evaluate import _eval_cache_file, cached_eval_before, store_eval_before
 
     monkeypatch.setenv("GEAR_CACHE", str(tmp_path / "cache"))
     cfg = resolve_config(None, {"eval_n": 4, "eval_samples": 0})  # the embedded model's key

@@ -40,8 +40,8 @@ def dirs(tmp_path, monkeypatch):
 
 
 def test_every_arm_is_the_default_recipe_with_keys_gear_train_accepts():
+    from gear.config import resolve_config
     from gear.integrations.trl import GEARConfig
-    from gear.run import resolve_config
 
     for arm, keys in ll.ARMS.items():
         keys = {**keys, "teacher_context": "contrast"} if "teacher_context" in keys else keys
@@ -161,8 +161,8 @@ def test_the_committed_comparisons_are_reproduced_through_the_shared_analysis():
 
 
 def test_every_candidate_has_a_placebo_gear_train_accepts():
+    from gear.config import resolve_config
     from gear.integrations.trl import GEARConfig
-    from gear.run import resolve_config
 
     for arm in ll.CANDIDATES:
         if arm == "gear_k1_context":
@@ -402,8 +402,8 @@ def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeli
 
 
 def test_the_post_hoc_arms_are_keys_gear_train_accepts():
+    from gear.config import resolve_config
     from gear.integrations.trl import GEARConfig
-    from gear.run import resolve_config
 
     for keys in ll.POST_HOC.values():
         cfg = resolve_config(None, keys)

@@ -14,8 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from gear.cli import app
+from gear.config import resolve_config
+from gear.evaluate import eval_cache_key
 from gear.models import load_model_and_tokenizer
-from gear.run import eval_cache_key, learning_lines, resolve_config
+from gear.run import learning_lines
 from gear.testing import save_tiny_model, tiny_run_args
 
 pytest.importorskip("peft")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import gear
-from gear.run import CONFIG_DIR, config_path, recipe_names, resolve_config
+from gear.config import CONFIG_DIR, config_path, recipe_names, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(gear.__file__).resolve().parent

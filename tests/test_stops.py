@@ -462,16 +462,17 @@ def test_an_evaluation_callback_ended_by_a_signal_hands_the_model_back_training(
 
     import torch
 
+    import gear.evaluate as ev
     import gear.run_callbacks as rc
 
     def interrupted(model, *args, **kwargs):
         model.eval()
         raise rc.EvalInterrupted(signal.SIGTERM)
 
-    monkeypatch.setattr(rc, "evaluate_now", interrupted)
+    monkeypatch.setattr(ev, "evaluate_now", interrupted)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
     cfg = types.SimpleNamespace(eval_every=2, eval_n=2)
-    callback = rc.EvalCallback(task=None, cfg=cfg, tokenizer=None, console=None,
+    callback = ev.EvalCallback(task=None, cfg=cfg, tokenizer=None, console=None,
                                stop=rc.SignalStop())  # fmt: skip
     state = types.SimpleNamespace(is_world_process_zero=True, global_step=2, max_steps=40)
     control = types.SimpleNamespace(should_training_stop=False)

@@ -14,7 +14,6 @@ gear compare --plan --effect 0.05                                          # see
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -168,7 +167,7 @@ NAMED_KEYS = {"method": "credit_method", "steps": "max_steps"}  # option -> conf
 
 
 def _overrides(pairs: list[str] | None, **named: Any) -> dict[str, Any]:
-    from gear.run import parse_value
+    from gear.config import parse_value
 
     out: dict[str, Any] = {}
     for pair in pairs or []:
@@ -228,8 +227,9 @@ def train(
     `credit_log_steps`, `credit_log_rows`); an option that would change anything else is an
     error, never ignored.
     """
-    from gear.run import RunStopped, resolve_config, resume_config
+    from gear.config import resolve_config, resume_config
     from gear.run import train as run_train
+    from gear.run_callbacks import RunStopped
 
     named = dict(
         model=model, task=task, method=method, steps=steps, seed=seed, output_dir=output_dir
@@ -263,7 +263,7 @@ def _dry_run(cfg: Any) -> None:
     """Everything `gear train` checks before loading a model, then the resolved config."""
     import yaml
 
-    from gear.run import default_run_dir, run_precision, trainer_args
+    from gear.config import default_run_dir, run_precision, trainer_args
     from gear.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_options)
@@ -315,7 +315,7 @@ def eval_(
         TimeRemainingColumn,
     )
 
-    from gear.evaluate import evaluate
+    from gear.evaluate import evaluate, write_report
     from gear.inputs import evaluation_target
     from gear.models import load_model_and_tokenizer
     from gear.tasks import get_task
@@ -358,17 +358,7 @@ def eval_(
         except (ValueError, OSError) as e:
             _fail(str(e))
     out_dir = out or (path if path.is_dir() else Path("."))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"eval_{task_name}_{split}"
-    summary = {"model": model_path, **result.summary()}
-    (out_dir / f"{stem}.json").write_text(json.dumps({**summary, "rows": result.rows}, indent=2))
-    md = [
-        f"# Evaluation of `{model_path}` on {task_name}/{split}",
-        "",
-        "| metric | value |",
-        "|---|---|",
-    ] + [f"| {k} | {v} |" for k, v in summary.items()]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    report = write_report(out_dir, model_path, task_name, result)
     table = Table(title=f"{task_name}/{split}: {result.n_problems} problems")
     for k in result.pass_at:
         table.add_column(f"pass@{k}")
@@ -379,7 +369,7 @@ def eval_(
             f"[yellow]note:[/] {task_name}/{split} has {result.n_problems} problems; all of them "
             f"were evaluated (--n asked for {n})"
         )
-    console.print(f"wrote {out_dir / (stem + '.json')} and .md")
+    console.print(f"wrote {report} and .md")
 
 
 @app.command()
@@ -533,8 +523,9 @@ def compare(
     the worst seeds and one verdict. Run the same command again to resume a stopped study.
     """
     from gear import compare as study
-    from gear.run import RunStopped, resolve_config, resume_config
+    from gear.config import resolve_config, resume_config
     from gear.run import train as run_train
+    from gear.run_callbacks import RunStopped
 
     if plan:
         try:
@@ -563,7 +554,7 @@ def compare(
                 continue
             console.rule(f"{method} seed {seed}")
             study.mark_run(run_dir, rule_hash)
-            _share_eval_before(out, run_dir, seed)
+            study.share_eval_before(out, run_dir, seed)
             try:
                 values = {**base, "credit_method": method, "seed": seed}
                 if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
@@ -584,30 +575,6 @@ def compare(
     result = study.report(out)
     console.print(f"[bold]verdict:[/] {result['verdict']}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'compare.md'}, compare.json and {result['figure']}")
-
-
-def _summary(run_dir: Path) -> dict[str, Any]:
-    """A study run's summary.json; an `InputError` naming it when it is damaged."""
-    from gear.inputs import InputError, read_json
-
-    todo = f"move {run_dir} aside and `gear compare` trains that run again, or restore the file"
-    summary = read_json(run_dir / "summary.json", todo)
-    if not isinstance(summary, dict):
-        raise InputError(run_dir / "summary.json", "not a JSON object", todo)
-    return summary
-
-
-def _share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
-    """Runs of one seed start from the same model and data: reuse a sibling's before-training
-    evaluation instead of repeating it (written into the new run's summary.json)."""
-    if (run_dir / "summary.json").is_file():
-        return
-    for sibling in sorted(out.glob(f"*-seed{seed}/summary.json")):
-        before = _summary(sibling.parent).get("eval_before")
-        if before:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "summary.json").write_text(json.dumps({"eval_before": before}, indent=2))
-            return
 
 
 if __name__ == "__main__":

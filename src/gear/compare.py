@@ -64,7 +64,8 @@ def check_config(cfg: Any, run_dir: Path) -> None:
     """What `gear train` checks of a run's config before it loads a model (the task, the
     precision, the trainer's fields, LoRA), for every arm before the study's first run; writes
     nothing. A ValueError (or NotImplementedError) names what is wrong."""
-    from gear.run import lora_config, run_precision, trainer_args
+    from gear.config import run_precision, trainer_args
+    from gear.run import lora_config
     from gear.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_options)
@@ -181,6 +182,30 @@ def mark_run(run_dir: Path, h: str) -> None:
     _write_text(run_dir / RUN_HASH, h + "\n")
 
 
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """A study run's summary.json; an `InputError` naming it when it is damaged."""
+    from gear.inputs import InputError, read_json
+
+    todo = f"move {run_dir} aside and `gear compare` trains that run again, or restore the file"
+    summary = read_json(run_dir / "summary.json", todo)
+    if not isinstance(summary, dict):
+        raise InputError(run_dir / "summary.json", "not a JSON object", todo)
+    return summary
+
+
+def share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
+    """Runs of one seed start from the same model and data: reuse a sibling's before-training
+    evaluation instead of repeating it (written into the new run's summary.json)."""
+    if (run_dir / "summary.json").is_file():
+        return
+    for sibling in sorted(out.glob(f"*-seed{seed}/summary.json")):
+        before = read_summary(sibling.parent).get("eval_before")
+        if before:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "summary.json").write_text(json.dumps({"eval_before": before}, indent=2))
+            return
+
+
 def run_record(run_dir: Path) -> dict[str, Any] | None:
     """The finished run in `run_dir` as a record (`gear.evidence.compare`): its held-out
     scores before and after training (summary.json) and training reward per step
@@ -191,12 +216,7 @@ def run_record(run_dir: Path) -> dict[str, Any] | None:
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
         return None
-    from gear.inputs import InputError, read_json
-
-    todo = f"move {run_dir} aside and `gear compare` trains that run again, or restore the file"
-    summary = read_json(summary_file, todo)
-    if not isinstance(summary, dict):
-        raise InputError(summary_file, "not a JSON object", todo)
+    summary = read_summary(run_dir)
     if not summary.get("eval_after") or not summary.get("eval_before"):
         return None
     steps = [m for m in read_metrics(run_dir / "metrics.jsonl") if m.get("reward") is not None]

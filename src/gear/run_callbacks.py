@@ -1,5 +1,7 @@
-"""Trainer callbacks of `gear train`: metrics file, progress with ETA, periodic evaluation,
-clean stops on signals, and checkpoints that appear complete or not at all."""
+"""What happens around training in `gear train`: the metrics file, progress with ETA, clean
+stops on SIGTERM / SIGINT (`stop_signals` installs the handler, `SignalStop` ends training after
+the step, `RunStopped` ends the run) and checkpoints that appear complete or not at all.
+Evaluation during a run (`EvalCallback`) lives with the rest of evaluation, in `gear.evaluate`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import time
 from collections.abc import Iterator
@@ -15,6 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+
+from gear._moved import moved
+from gear.evidence import write_text
+
+# Evaluation during a run moved to gear.evaluate (issue 50): `from gear.run_callbacks import
+# NAME` still gives it, with a DeprecationWarning naming the new import.
+_EVALUATE = "plain_forward evaluate_now _scores _evaluate_with_progress EvalCallback"
+__getattr__ = moved(__name__, dict.fromkeys(_EVALUATE.split(), "gear.evaluate"))
 
 
 def _clean(value: Any) -> Any:
@@ -71,9 +82,7 @@ def truncate_run_logs(run_dir: Path, step: int) -> None:
         lines = read_text(metrics, METRICS_TODO).splitlines()
         keep = [line for line in lines if line.strip() and _record_step(line) <= step]
         if len(keep) != len(lines):
-            tmp = metrics.with_name(f".{metrics.name}.tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, metrics)
+            write_text(metrics, "".join(line + "\n" for line in keep))
     for record in (Path(run_dir) / "credit").glob("step_*.jsonl"):
         try:
             later = int(record.stem.removeprefix("step_")) >= step
@@ -192,9 +201,12 @@ def step_line(progress: ProgressCallback, state: Any, logs: dict[str, Any]) -> s
     return "  ".join(parts)
 
 
+# ------------------------------------------------------------------------------ stops
+
+
 class EvalInterrupted(BaseException):
-    """A stop signal came during a periodic evaluation (raised by `gear.run.stop_signals`'
-    handler; a BaseException, like KeyboardInterrupt, so no `except Exception` swallows it)."""
+    """A stop signal came during a periodic evaluation (raised by `stop_signals`' handler;
+    a BaseException, like KeyboardInterrupt, so no `except Exception` swallows it)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -203,8 +215,8 @@ class EvalInterrupted(BaseException):
 
 class SignalStop(TrainerCallback):
     """Ends training cleanly after a stop signal: at the end of the current step the trainer
-    saves a checkpoint and stops (`gear.run.stop_signals` installs the handler that calls
-    `request`). Register it after `EvalCallback`, so a signal during a periodic evaluation
+    saves a checkpoint and stops (`stop_signals` installs the handler that calls `request`).
+    Register it after `gear.evaluate.EvalCallback`, so a signal during a periodic evaluation
     saves the step that evaluation follows; a signal during a checkpoint save stops right after
     it. Under torch.distributed every rank stops at the same step (the flag is reduced with
     max), so no rank waits in a collective for one that left."""
@@ -249,6 +261,76 @@ class SignalStop(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._any_rank_stopping():  # a signal during this save: this checkpoint is the last
             control.should_training_stop = True
+
+
+class RunStopped(Exception):
+    """A run ended by SIGTERM / SIGINT. `checkpoint`: the checkpoint saved on the way out (None
+    when the signal came before training or a second signal cut the save short)."""
+
+    def __init__(self, signum: int, run_dir: Path, checkpoint: Path | None = None) -> None:
+        self.signum, self.run_dir, self.checkpoint = signum, run_dir, checkpoint
+        name = signal.Signals(signum).name
+        if checkpoint is not None:
+            what = f"checkpoint saved: {checkpoint}"
+        else:
+            what = "no new checkpoint saved"
+        super().__init__(
+            f"stopped by {name}; {what}; continue with `gear train --resume {run_dir}`"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for "ended by signal N"
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals(run_dir: Path) -> Iterator[Any]:
+    """SIGTERM / SIGINT handling for the duration of a run (main thread only).
+
+    Yields a `SignalStop`: while its `training` flag is set, the first signal
+    only asks the trainer to save and stop after the current step (during a periodic evaluation
+    it also ends that evaluation, `EvalInterrupted`, so the step it follows is saved at once);
+    otherwise (loading, the evaluations before and after training), and for a second signal,
+    `RunStopped` is raised at once.
+    """
+    stop = SignalStop()
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.training and stop.signum is None:
+            stop.request(signum)
+            name = signal.Signals(signum).name
+            if stop.evaluating:  # a periodic evaluation: drop it, save the step it follows
+                print(
+                    f"gear: {name}: stopping the evaluation, then saving a checkpoint of this "
+                    f"step (send it again to stop at once)",
+                    flush=True,
+                )
+                raise EvalInterrupted(signum)
+            print(
+                f"gear: {name}: finishing this step, then saving a checkpoint (send it again "
+                f"to stop at once)",
+                flush=True,
+            )
+            return
+        raise RunStopped(signum, run_dir)
+
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signal handlers can only be set from the main thread
+        return
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------ checkpoints
 
 
 STAGING = ".checkpoint-staging"  # hidden, and outside HF's `checkpoint-<step>` pattern
@@ -348,172 +430,3 @@ def save_model_atomically(trainer: Any, target: Path) -> Path:
     if trainer.args.should_save:
         _publish(tmp, target)
     return target
-
-
-@contextlib.contextmanager
-def plain_forward(model: Any) -> Iterator[Any]:
-    """Run `model` without accelerate's mixed-precision forward wrapper for a while.
-
-    Under `bf16=True`, accelerate wraps `model.forward` in autocast. That suits one big
-    forward, but in generation it recasts every weight at every decoding step (no cast cache
-    under no_grad): on CPU, sampling was ~5x slower than in float32. Evaluation generates, so it
-    uses the original forward.
-    """
-    original = getattr(model, "_original_forward", None)
-    if original is None:
-        yield model
-        return
-    wrapped = model.forward
-    model.forward = original
-    try:
-        yield model
-    finally:
-        model.forward = wrapped
-
-
-def evaluate_now(model: Any, tokenizer: Any, task: Any, cfg: Any, console: Any, label: str) -> dict:
-    """Held-out scores of `model` now, with progress: greedy pass@1 (`eval_temperature`, 0 by
-    default) on `eval_n` problems and, when `eval_samples` > 0, the mean reward of that many
-    samples per problem at the training temperature (`mean_reward`, the learning metric), with
-    each problem's score under `per_problem` (for paired intervals). Problems and sampling
-    noise come from `eval_seed`, the same for every run."""
-    greedy = _evaluate_with_progress(
-        model, tokenizer, task, cfg, console, label, 1, cfg.eval_temperature
-    )
-    out = greedy.summary() | {"per_problem": {"greedy": _scores(greedy)}}
-    k = getattr(cfg, "eval_samples", 0)
-    if k:
-        temperature = float(cfg.trainer.get("temperature", 1.0))
-        sampled = _evaluate_with_progress(
-            model, tokenizer, task, cfg, console, label, k, temperature
-        )
-        out |= {
-            "mean_reward": sampled.accuracy,
-            "samples": k,
-            "sample_temperature": temperature,
-            "per_problem": out["per_problem"] | {"mean_reward": _scores(sampled)},
-        }
-    if console is not None:
-        line = f"held-out greedy pass@1 {label}: [bold]{greedy.accuracy:.3f}[/]"
-        if k:
-            line += f", mean reward of {k} samples at T={temperature:g}: [bold]{out['mean_reward']:.3f}[/]"
-        console.print(f"{line} ({greedy.n_problems} problems)")
-    return out
-
-
-def _scores(result: Any) -> list[float]:
-    """Each problem's mean reward over its samples (0/1 rewards: the fraction correct)."""
-    return [sum(r["correct"]) / len(r["correct"]) for r in result.rows]
-
-
-def _evaluate_with_progress(
-    model: Any,
-    tokenizer: Any,
-    task: Any,
-    cfg: Any,
-    console: Any,
-    label: str,
-    samples: int,
-    temperature: float,
-) -> Any:
-    from gear.evaluate import evaluate
-
-    what = (
-        "greedy" if samples == 1 and temperature == 0 else f"{samples} samples at T={temperature:g}"
-    )
-    bar: Any = None
-    ctx: Any = contextlib.nullcontext()
-    if console is not None and not console.is_terminal:  # no live bar in a log: say what runs
-        console.print(
-            f"evaluating {label}: {cfg.eval_n} held-out problems, {what}",
-            highlight=False,
-            soft_wrap=True,
-        )
-    elif console is not None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        bar = Progress(
-            TextColumn(f"[bold]eval {label} ({what})"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=console,
-        )
-        ctx = bar
-    with ctx, plain_forward(model):
-        job = bar.add_task("eval", total=cfg.eval_n) if bar else None
-        return evaluate(
-            model,
-            tokenizer,
-            task,
-            split="test",
-            n=cfg.eval_n,
-            samples=samples,
-            temperature=temperature,
-            max_new_tokens=cfg.eval_max_new_tokens,
-            batch_size=cfg.eval_batch_size,
-            seed=getattr(cfg, "eval_seed", 0),
-            progress=(lambda done, total: bar.update(job, completed=done, total=total))
-            if bar
-            else None,
-        )
-
-
-class EvalCallback(TrainerCallback):
-    """Every `eval_every` steps: held-out pass@1, written to metrics.jsonl as eval/accuracy.
-
-    stop: the run's `SignalStop`: no evaluation starts once a stop signal came, and one that
-    runs ends at the signal (`EvalInterrupted`), so the step it follows is saved at once
-    instead of after one more step. Either way the model goes back to the mode it had."""
-
-    def __init__(
-        self, task: Any, cfg: Any, tokenizer: Any, console: Any, stop: SignalStop | None = None
-    ) -> None:
-        self.task, self.cfg, self.tokenizer, self.console = task, cfg, tokenizer, console
-        self.stop = stop
-
-    def on_step_end(
-        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
-    ) -> None:
-        step = state.global_step
-        if not (
-            state.is_world_process_zero
-            and step % self.cfg.eval_every == 0
-            and step < state.max_steps
-            and not control.should_training_stop
-            and (self.stop is None or self.stop.signum is None)  # a stop signal: save now
-        ):
-            return
-        was_training = model.training
-        try:
-            with self.stop.evaluation() if self.stop is not None else contextlib.nullcontext():
-                if self.stop is not None and self.stop.signum is not None:
-                    return  # the signal came just before: no evaluation
-                if self.console is not None and not self.console.is_terminal:  # for a log
-                    self.console.print(
-                        f"evaluating at step {step}: {self.cfg.eval_n} held-out problems",
-                        highlight=False,
-                        soft_wrap=True,
-                    )
-                result = evaluate_now(
-                    model, self.tokenizer, self.task, self.cfg, None, f"step {step}"
-                )
-        except EvalInterrupted:
-            return  # SignalStop, the next callback, saves this step and stops
-        finally:
-            # TRL logs this step next, from the metrics of the mode model.training names: left
-            # in eval mode, the step's row would lose reward, gear/* and completion statistics
-            model.train(was_training)
-        MetricsFile(Path(args.output_dir) / "metrics.jsonl").write(
-            step,
-            {"eval/accuracy": result["pass@1"]}
-            | ({"eval/mean_reward": result["mean_reward"]} if "mean_reward" in result else {}),
-        )
-        if self.console is not None:
-            self.console.log(f"step {step}: held-out pass@1 {result['pass@1']:.3f}")

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 #: What evaluation draws and scores, as a number: bump it when `sample`'s draws, `gear.evaluate`
-#: or a task's `is_correct` change, so cached before-training scores (`gear.run.eval_cache_key`)
-#: are not reused. tests/test_sampling.py pins the draws of this version.
+#: or a task's `is_correct` change, so cached before-training scores
+#: (`gear.evaluate.eval_cache_key`) are not reused. tests/test_sampling.py pins the draws of this version.
 EVAL_VERSION = 1
 
 

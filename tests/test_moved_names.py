@@ -1,0 +1,49 @@
+"""Names that moved out of `gear.run` and `gear.run_callbacks` (issue 50: one module, one job)
+still import from their old module, with a DeprecationWarning that names the new import, and
+are the very objects of their new home (so code that imports them the old way runs the same)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+MOVED = [
+    ("gear.run", "RunConfig", "gear.config"),
+    ("gear.run", "resolve_config", "gear.config"),
+    ("gear.run", "resolve_values", "gear.config"),
+    ("gear.run", "resume_config", "gear.config"),
+    ("gear.run", "recipe_names", "gear.config"),
+    ("gear.run", "trainer_args", "gear.config"),
+    ("gear.run", "checkpointing_field", "gear.config"),
+    ("gear.run", "CONFIG_DIR", "gear.config"),
+    ("gear.run", "cached_eval_before", "gear.evaluate"),
+    ("gear.run", "store_eval_before", "gear.evaluate"),
+    ("gear.run", "eval_cache_key", "gear.evaluate"),
+    ("gear.run", "RunStopped", "gear.run_callbacks"),
+    ("gear.run", "stop_signals", "gear.run_callbacks"),
+    ("gear.run_callbacks", "evaluate_now", "gear.evaluate"),
+    ("gear.run_callbacks", "EvalCallback", "gear.evaluate"),
+]
+
+
+@pytest.mark.parametrize(("old", "name", "new"), MOVED)
+def test_a_moved_name_imports_from_its_old_module_with_a_warning(old, name, new):
+    with pytest.warns(DeprecationWarning, match=f"import it as `from {new} import {name}`"):
+        got = getattr(importlib.import_module(old), name)
+    assert got is getattr(importlib.import_module(new), name)
+
+
+def test_names_that_stayed_do_not_warn_and_unknown_names_still_fail():
+    import gear.run
+    import gear.run_callbacks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from gear.run import build_trainer, learning_lines, load_model_and_data, train  # noqa: F401
+        from gear.run_callbacks import SignalStop, read_metrics  # noqa: F401
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        gear.run.nope  # noqa: B018
+    with pytest.raises(ImportError):
+        from gear.run_callbacks import nope  # noqa: F401
