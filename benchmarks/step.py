@@ -62,7 +62,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from benchmarks.common import RESULTS, machine, print_table, write_json
-from gear.run import checkpointing_field
+from gear.config import checkpointing_field
 from gear.testing import tied_reward
 
 CHECKPOINTING = checkpointing_field(TrainingArguments)  # renamed in transformers 5.18
@@ -117,7 +117,8 @@ def run(
 ) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
-    from gear.run import build_trainer, lora_config, resolve_values, trainer_args
+    from gear.config import resolve_values, trainer_args
+    from gear.run import build_trainer, lora_config
     from gear.tasks import get_task
 
     task = get_task("arithmetic")
@@ -319,7 +320,8 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from gear.run import load_model_and_data, resolve_values
+    from gear.config import resolve_values
+    from gear.run import load_model_and_data
     from gear.tasks import get_task
 
     warnings.filterwarnings("ignore")

@@ -287,8 +287,8 @@ def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = Fal
     from its checkpoint). Before the first run, GRPO's first steps must be the grid's
     (`pipeline_check`, kept in RESULTS / POST_HOC_CHECK). Then `posthoc_report`. `dry_run`:
     check the keys and print the runs' commands, run nothing."""
+    from gear.config import resolve_config
     from gear.integrations.trl import GEARConfig
-    from gear.run import resolve_config
 
     seeds = json.loads(out.read_text())["seeds"]
     arms = [POST_HOC_ARM, *(["grpo_here"] if baseline else [])]

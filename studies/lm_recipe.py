@@ -160,9 +160,9 @@ def write_record(record: dict, records: Path = RECORDS) -> dict:
 
 def ensure_before(stage: str, setting: str, method: str) -> None:
     """The shared held-out scores before training, computed once (all cores) and cached for
-    every run (`gear.run.cached_eval_before`), so parallel runs do not each compute them."""
-    from gear.run import cached_eval_before, resolve_config, store_eval_before
-    from gear.run_callbacks import evaluate_now
+    every run (`gear.evaluate.cached_eval_before`), so parallel runs do not each compute them."""
+    from gear.config import resolve_config
+    from gear.evaluate import cached_eval_before, evaluate_now, store_eval_before
 
     cfg = resolve_config(None, settings_of(stage, setting, method))
     if cached_eval_before(cfg) is not None:
@@ -209,9 +209,10 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
     import torch
     from peft import get_peft_model
 
+    from gear.config import resolve_config
+    from gear.evaluate import cached_eval_before, evaluate_now
     from gear.models import load_model_and_tokenizer
-    from gear.run import cached_eval_before, lora_config, resolve_config
-    from gear.run_callbacks import evaluate_now
+    from gear.run import lora_config
     from gear.tasks import get_task
 
     name = run_name("control", setting, "sft", seed)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+
 from studies import after_format as af
 
 SOLUTION = "12 + 5 = 17, then 17 - 3 = 14, then 14 + 20 = 34. The answer is 34."

@@ -226,9 +226,9 @@ def forget_after(run_dir: Path, step: int) -> None:
 
 
 def run_config(cfg: dict[str, Any], method: str, seed: int, run_dir: Path) -> Any:
-    """The study's run of `method` and `seed` as a `gear train` config (`gear.run.RunConfig`),
+    """The study's run of `method` and `seed` as a `gear train` config (`gear.config.RunConfig`),
     every key checked as `gear train` checks it."""
-    from gear.run import resolve_values
+    from gear.config import resolve_values
 
     trainer = dict(cfg["trainer"]) | {"credit_method": method}
     return resolve_values(cfg | {"trainer": trainer, "seed": seed, "output_dir": str(run_dir)})
@@ -239,7 +239,8 @@ def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namesp
     `gear train`'s (gear.run), built from `run_config`."""
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.run import build_trainer, load_model_and_data, trainer_args
+    from gear.config import trainer_args
+    from gear.run import build_trainer, load_model_and_data
     from gear.tasks import get_task
 
     run_dir = args.work / f"{method}-seed{seed}"
