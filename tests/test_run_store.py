@@ -137,3 +137,14 @@ def test_bonferroni_divides_alpha_over_the_comparisons():
     assert bonferroni(2, alpha=0.1) == pytest.approx(0.95)
     with pytest.raises(ValueError, match="at least 1"):
         bonferroni(0)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    from gear.evidence import replacing, write_text
+
+    path = write_text(tmp_path / "r.json", "old")
+    with pytest.raises(RuntimeError), replacing(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]

@@ -24,10 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from gear.evidence import write_text
 
 RULE_FILE = "rule.json"
 RUN_HASH = "rule.sha256"  # in each run directory: the rule's hash when the run began
@@ -168,7 +169,7 @@ def fix_rule(out: Path, rule: Mapping[str, Any], amend: bool = False) -> str:
                 "(the report then calls no winner)"
             )
     out.mkdir(parents=True, exist_ok=True)
-    _write_text(out / RULE_FILE, json.dumps(rule, indent=1) + "\n")
+    write_text(out / RULE_FILE, json.dumps(rule, indent=1) + "\n")
     return h
 
 
@@ -179,7 +180,7 @@ def mark_run(run_dir: Path, h: str) -> None:
     if (run_dir / RUN_HASH).is_file() or (run_dir / "config.yaml").is_file():
         return  # marked, or begun before the rule (left unmarked: the report names it)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(run_dir / RUN_HASH, h + "\n")
+    write_text(run_dir / RUN_HASH, h + "\n")
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -202,7 +203,7 @@ def share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
         before = read_summary(sibling.parent).get("eval_before")
         if before:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "summary.json").write_text(json.dumps({"eval_before": before}, indent=2))
+            write_text(run_dir / "summary.json", json.dumps({"eval_before": before}, indent=2))
             return
 
 
@@ -369,8 +370,8 @@ def report(out: Path, figure: bool = True) -> dict[str, Any]:
         from gear.viz.compare import plot_comparison
 
         result["figure"] = plot_comparison(result, out / "compare.png").name
-    _write_text(out / "compare.json", json.dumps(result, indent=1) + "\n")
-    _write_text(out / "compare.md", markdown(result))
+    write_text(out / "compare.json", json.dumps(result, indent=1) + "\n")
+    write_text(out / "compare.md", markdown(result))
     return result
 
 
@@ -436,13 +437,6 @@ def plan_text(p: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ writing
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Atomically: a temporary named by this process, renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _finite(obj: Any) -> Any:

@@ -175,14 +175,14 @@ def write_report(out_dir: Path, model: str, task: str, result: EvalResult) -> Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"eval_{task}_{result.split}"
     summary = {"model": model, **result.summary()}
-    (out_dir / f"{stem}.json").write_text(json.dumps({**summary, "rows": result.rows}, indent=2))
+    write_text(out_dir / f"{stem}.json", json.dumps({**summary, "rows": result.rows}, indent=2))
     md = [
         f"# Evaluation of `{model}` on {task}/{result.split}",
         "",
         "| metric | value |",
         "|---|---|",
     ] + [f"| {k} | {v} |" for k, v in summary.items()]
-    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    write_text(out_dir / f"{stem}.md", "\n".join(md) + "\n")
     return out_dir / f"{stem}.json"
 
 

@@ -59,14 +59,17 @@ def replacing(path: Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    yield tmp
-    tmp.replace(path)
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:  # a block that failed leaves neither half a file nor its temporary
+        tmp.unlink(missing_ok=True)
 
 
 def write_text(path: Path, text: str) -> Path:
     """Write `text` to `path` atomically (`replacing`)."""
     with replacing(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 

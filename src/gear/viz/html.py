@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gear.evidence import write_text
 from gear.viz.record import read_credit_records
 
 #: Colour stops (ColorBrewer Reds, Blues, PiYG), shared by the Python and JS renderers.
@@ -220,7 +221,7 @@ def write_credit_html(run_dir: str | Path, out_path: str | Path | None = None) -
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     name = run_dir.stem if run_dir.is_file() else run_dir.resolve().name
-    out_path.write_text(render_credit_html(records, title=f"GEAR credit · {name}"), "utf-8")
+    write_text(out_path, render_credit_html(records, title=f"GEAR credit · {name}"))
     return out_path
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from gear.credit import CreditDetails
+from gear.evidence import write_text
 from gear.inputs import InputError, read_text
 
 # what to do about a damaged credit record (`read_credit_records`)
@@ -135,7 +136,7 @@ def write_credit_record(path: str | Path, rows: Sequence[dict[str, Any]]) -> Pat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(r, ensure_ascii=False, allow_nan=False) for r in rows]
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    write_text(path, "".join(line + "\n" for line in lines))  # a stop never leaves half
     return path
 
 
