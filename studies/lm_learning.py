@@ -35,7 +35,6 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -311,8 +310,7 @@ def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = Fal
                 f"would not be paired with the grid's pipeline (see {RESULTS / POST_HOC_CHECK})"
             )
         lm_recipe.ensure_before("gate", "lora16_lr5e-4", "grpo")
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda job: posthoc_run(*job), jobs))
+        lm_recipe.in_parallel(lambda job: posthoc_run(*job), jobs, workers)
     posthoc_report(out)
 
 
@@ -521,8 +519,7 @@ def run_jobs(jobs: list[tuple[str, int]], workers: int, placebo: bool = False) -
         r = run(*job, placebo=placebo)
         print(f"kept {r['name']} ({r['wall_s'] / 60:.1f} min)", flush=True)
 
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(go, jobs))
+    lm_recipe.in_parallel(go, jobs, workers)
 
 
 def status(seeds: int) -> None:

@@ -186,8 +186,23 @@ def run_all(jobs: list[tuple[str, str, str, int]], workers: int) -> list[dict]:
         print(f"kept {record['name']}", flush=True)
         return record
 
+    return in_parallel(go, jobs, workers)
+
+
+def in_parallel(fn: Any, jobs: list, workers: int) -> list:
+    """`fn(job)` for every job on `workers` threads, results in the jobs' order. A job that fails
+    does not stop the others (`Executor.map` cancels every job not yet started once a result it
+    reaches has failed: a run killed by the OOM killer stopped a grid that way); the failures are
+    raised together once every job has ended."""
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(go, jobs))
+        futures = [pool.submit(fn, job) for job in jobs]
+    failed = [(job, f.exception()) for job, f in zip(jobs, futures, strict=True) if f.exception()]
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of {len(jobs)} jobs failed (the others ran to the end): "
+            + "; ".join(f"{job}: {e}" for job, e in failed)
+        )
+    return [f.result() for f in futures]
 
 
 # ------------------------------------------------------------------------------ control

@@ -471,3 +471,25 @@ def test_posthoc_refuses_to_run_when_grpos_pipeline_changed_since_the_grid(analy
     with pytest.raises(RuntimeError, match="differ"):
         ll.posthoc(out, workers=1)
     assert ran == []
+
+
+def test_a_failed_run_does_not_cancel_the_runs_not_yet_started():
+    """Executor.map cancelled every queued run once it reached a failed one (an OOM-killed run
+    stopped the post-hoc grid after two runs); in_parallel runs them all, then raises."""
+    import threading
+
+    from studies.lm_recipe import in_parallel
+
+    ran, lock = [], threading.Lock()
+
+    def job(k):
+        with lock:
+            ran.append(k)
+        if k == 1:
+            raise RuntimeError("killed")
+        return k * 10
+
+    with pytest.raises(RuntimeError, match=r"1 of 6 jobs failed .*1: killed"):
+        in_parallel(job, list(range(6)), 2)
+    assert sorted(ran) == list(range(6))
+    assert in_parallel(job, [0, 2, 3], 2) == [0, 20, 30]
