@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gear.evidence import bonferroni, bootstrap_difference, write_json
+from gear.evidence import RecordStore, bonferroni, bootstrap_difference, head_commit, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "studies" / "results"
@@ -143,11 +142,14 @@ def qualifies(c: dict[str, Any]) -> bool:
     return c["writes_steps"] >= WRITES_STEPS and BAND[0] <= c["pass_rate"] <= BAND[1]
 
 
+def records() -> RecordStore:
+    return RecordStore(RECORDS)
+
+
 def sft_record(seed: int) -> dict[str, Any]:
-    path = RECORDS / f"sft-seed{seed}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    return {"seed": seed, "checks": [], "chosen": None, "pieces": [], "rule": RULE}
+    """Stage 0's record of `seed` so far (its checks, the chosen step, every piece that ran)."""
+    kept = records().get(f"sft-seed{seed}")
+    return kept or {"seed": seed, "checks": [], "chosen": None, "pieces": [], "rule": RULE}
 
 
 def sft(seed: int) -> dict[str, Any]:
@@ -173,6 +175,7 @@ def sft(seed: int) -> dict[str, Any]:
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         print(f"seed {seed}: resumed at SFT step {step}", flush=True)
+        record["pieces"].append({"resumed_at_step": step})  # listed in the result, as the rule says
     record["loss"] = losses = record.get("loss", [])[:step]
     while step < max(CHECK_STEPS):
         batch = sft_batch(tok, rows.select(range(step * ROWS_PER_STEP, (step + 1) * ROWS_PER_STEP)))
@@ -203,7 +206,7 @@ def sft(seed: int) -> dict[str, Any]:
                 record["extra_checks"] = sorted(set(record.get("extra_checks", [])) | set(gap))
                 record["pieces"].append({"why": f"jumped over the band at {step}: recheck "
                                          f"{list(gap)}", "wall_s": time.time() - t0})  # fmt: skip
-                write_json(RECORDS / f"sft-seed{seed}.json", record, indent=1)
+                records().put(f"sft-seed{seed}", record)
                 return sft(seed)  # resumes from the previous check, with the gap scheduled
         if qualifies(c):
             record["chosen"] = {
@@ -211,11 +214,13 @@ def sft(seed: int) -> dict[str, Any]:
                 "adapter": str(run.relative_to(ROOT) / f"step-{step}"),
             }
             break
-        write_json(RECORDS / f"sft-seed{seed}.json", record, indent=1)
+        records().put(f"sft-seed{seed}", record)
     record["done"] = True
-    record["pieces"].append({"wall_s": time.time() - t0, "to_step": step})
+    record["pieces"].append(
+        {"wall_s": time.time() - t0, "to_step": step, "commit": head_commit(ROOT)}
+    )
     record["capability"] = torch.backends.cpu.get_cpu_capability()
-    write_json(RECORDS / f"sft-seed{seed}.json", record, indent=1)
+    records().put(f"sft-seed{seed}", record)
     return record
 
 
@@ -396,7 +401,7 @@ def localise() -> dict[str, Any]:
 
 
 def sft_seeds() -> list[int]:
-    return sorted(int(p.stem.split("seed")[1]) for p in RECORDS.glob("sft-seed*.json"))
+    return sorted(int(n.split("seed")[1]) for n in records().names("sft-seed*"))
 
 
 def status() -> None:
