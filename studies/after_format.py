@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gear.evidence import RecordStore, bonferroni, bootstrap_difference, head_commit, write_json
+from gear.evidence import RecordStore, bonferroni, head_commit, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "studies" / "results"
@@ -344,15 +344,14 @@ def threshold_cells(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[st
     cells = {}
     for context, (right, wrong) in tc.CONTEXT_TEACHERS.items():
         for est in tc.ESTIMATORS:
-            per = []
+            rows = []
             for k, recs in ((0, bad), (1, plc)):
                 con = split[wrong][k] if wrong else None
                 w, _ = tc.context_details(split[right][k], "gear", est, con)
-                metrics = [loc.natural_row_metrics(x, r["error"], r["step"])
-                           for x, r in zip(w, recs, strict=True)]  # fmt: skip
-                per.append(list(loc.per_prompt(metrics, recs, "L").values()))
-            d = bootstrap_difference(per[0], per[1], alpha=1 - level)
-            cells[f"{context}/{est}"] = {"corrected_L": d["mean"], "ci": d["ci"],
+                rows.append([loc.natural_row_metrics(x, r["error"], r["step"])
+                             for x, r in zip(w, recs, strict=True)])  # fmt: skip
+            d = tc.localisation(rows[0], rows[1], bad, plc, "L", alpha=1 - level)
+            cells[f"{context}/{est}"] = {"corrected_L": d["corrected"], "ci": d["ci"],
                                          "above_0": d["ci"][0] > 0}  # fmt: skip
     passed = [c for c, v in cells.items() if v["above_0"]]
     best = max(passed, key=lambda c: cells[c]["corrected_L"]) if passed else None

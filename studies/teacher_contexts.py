@@ -182,11 +182,13 @@ CONTEXT_TEACHERS = {
 }
 
 
-def localisation(real: list[dict], fake: list[dict], r_recs: list, f_recs: list, key: str) -> dict:
+def localisation(
+    real: list[dict], fake: list[dict], r_recs: list, f_recs: list, key: str, alpha: float = 0.05
+) -> dict:
     """Placebo-corrected `key`: per-prompt means on the real rows minus on the placebo rows, with
-    each side resampled on its own (95%)."""
+    each side resampled on its own (interval at 1 - `alpha`)."""
     pr, pp = loc.per_prompt(real, r_recs, key), loc.per_prompt(fake, f_recs, key)
-    d = bootstrap_difference(list(pr.values()), list(pp.values()))
+    d = bootstrap_difference(list(pr.values()), list(pp.values()), alpha=alpha)
     mean = lambda v: sum(v) / len(v)  # noqa: E731
     return {"real": mean(list(pr.values())), "placebo": mean(list(pp.values())),
             "corrected": d["mean"], "ci": d["ci"]}  # fmt: skip
