@@ -246,6 +246,15 @@ def load_rows_model(step0: bool) -> tuple[Any, Any]:
     return model.eval(), tok
 
 
+def log_piece(name: str, **info: Any) -> None:
+    """Append one stage-1 piece (wall seconds at one thread, commit, CPU) to the record `name`, so
+    the budget and every stopped or resumed piece can be read back, as the rule asks."""
+    kept = records().get(name) or {"pieces": []}
+    kept["pieces"].append({**info, "commit": head_commit(ROOT),
+                           "capability": str(torch.backends.cpu.get_cpu_capability())})  # fmt: skip
+    records().put(name, kept)
+
+
 def counts(done: dict[str, list[dict[str, Any]]]) -> tuple[int, int]:
     """(failed rows with a checked first error, placebo rows) of a row cache."""
     from studies.teacher_contexts import placebo_set
@@ -291,7 +300,10 @@ def sample_rows(step0: bool, prompts: int | None = None) -> dict[str, Any]:
                   f"{placebo} placebo rows, {time.time() - t0:.0f} s", flush=True)  # fmt: skip
         failed, placebo = counts(done)
         if prompts is not None or (failed >= MIN_FAILED and placebo >= MIN_PLACEBO):
-            return {"prompts": n, "failed_rows": failed, "placebo_rows": placebo}
+            got = {"prompts": n, "failed_rows": failed, "placebo_rows": placebo}
+            if model is not None:  # a piece that sampled something
+                log_piece(f"rows-{rows_dir(step0).name}", wall_s=time.time() - t0, **got)
+            return got
         n += PROMPTS_GROWTH
 
 
@@ -328,6 +340,8 @@ def teacher_signals(step0: bool) -> None:
                 onpolicy.save_cache(paths[name], caches[name])
             print(f"{rows_dir(step0).name}: teachers of {k + 1}/{len(todo)} prompts, "
                   f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
+    if todo:
+        log_piece(f"signals-{rows_dir(step0).name}", wall_s=time.time() - t0, prompts=len(todo))
 
 
 # ------------------------------------------------------------------------------ the analysis
@@ -365,6 +379,9 @@ def teacher_sets(step0: bool) -> dict[str, dict[str, list[dict[str, Any]]]] | No
     rows = onpolicy.load_cache(rows_dir(step0) / "natural.pt")
     caches = {n: onpolicy.load_cache(rows_dir(step0) / f"{n}.pt") for n in tc.TEACHERS}
     groups = [g for g in rows if all(g in c for c in caches.values())]
+    if step0:  # the checkpoint's problems only: step 0 may have been sampled ahead of them
+        ours = onpolicy.load_cache(rows_dir(False) / "natural.pt")
+        groups = [g for g in groups if g in ours]
     if not groups:
         return None
     sets = {"worked_solution": {g: rows[g] for g in groups}}
@@ -383,6 +400,8 @@ def localise() -> dict[str, Any]:
         "wrong step, per teacher context and estimator, against a placebo and step 0",
         "rule": RULE,
         "sft": {f"seed{s}": sft_record(s) for s in sft_seeds()},
+        "stage1_pieces": {n: records().get(n)["pieces"]
+                          for n in records().names("rows-*") + records().names("signals-*")},
         "capability": str(torch.backends.cpu.get_cpu_capability()),
         "torch": torch.__version__,
     }
@@ -421,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("stage", choices=["sft", "rows", "signals", "localise", "status"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="sft: the seeds")
     ap.add_argument("--step0", action="store_true", help="rows/signals: the embedded model")
+    ap.add_argument("--prompts", type=int, help="rows --step0: sample this many prompts (ahead of "
+                    "the checkpoint's; only the checkpoint's are read)")  # fmt: skip
     a = ap.parse_args(argv)
     if a.stage == "sft":
         for s in a.seeds:
@@ -429,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.step0:  # the checkpoint's prompts, so both models are read on the same problems
             from studies import onpolicy
 
-            n = len(onpolicy.load_cache(rows_dir(False) / "natural.pt"))
+            n = a.prompts or len(onpolicy.load_cache(rows_dir(False) / "natural.pt"))
             if not n:
                 raise SystemExit("sample the checkpoint's rows first (rows without --step0)")
             print(sample_rows(True, n))

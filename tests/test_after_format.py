@@ -105,3 +105,28 @@ def test_a_checkpoint_qualifies_only_inside_the_band_and_writing_its_steps():
     assert af.qualifies({"pass_rate": 0.6, "writes_steps": 1.0})
     assert not af.qualifies({"pass_rate": 0.61, "writes_steps": 1.0})
     assert not af.qualifies({"pass_rate": 0.45, "writes_steps": 0.89})
+
+
+def test_step0_is_read_on_the_checkpoints_prompts_only(monkeypatch, tmp_path):
+    """Step 0 may be sampled ahead of the checkpoint (`rows --step0 --prompts N`); the analysis
+    reads both models on the same problems, so step 0's extra prompts are left out."""
+    from studies import onpolicy
+    from studies import teacher_contexts as tc
+
+    monkeypatch.setattr(af, "RUNS", tmp_path)
+    fake = lambda n: {f"natural-{j}": [{"j": j}] for j in range(n)}  # noqa: E731
+    for step0, n in ((False, 2), (True, 5)):
+        for name in ("natural", *tc.TEACHERS):
+            onpolicy.save_cache(af.rows_dir(step0) / f"{name}.pt", fake(n))
+    assert list(af.teacher_sets(True)["worked_solution"]) == ["natural-0", "natural-1"]
+    assert len(af.teacher_sets(False)["worked_solution"]) == 2
+
+
+def test_every_stage1_piece_is_kept_with_its_commit_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(af, "RECORDS", tmp_path)
+    af.log_piece("rows-x", wall_s=3.0, prompts=40)
+    af.log_piece("rows-x", wall_s=1.0, prompts=80)
+    pieces = af.records().get("rows-x")["pieces"]
+    assert [p["prompts"] for p in pieces] == [40, 80]
+    assert all(p["capability"] == str(torch.backends.cpu.get_cpu_capability()) for p in pieces)
+    assert all("commit" in p for p in pieces)
