@@ -400,8 +400,10 @@ def localise() -> dict[str, Any]:
         "wrong step, per teacher context and estimator, against a placebo and step 0",
         "rule": RULE,
         "sft": {f"seed{s}": sft_record(s) for s in sft_seeds()},
-        "stage1_pieces": {n: records().get(n)["pieces"]
-                          for n in records().names("rows-*") + records().names("signals-*")},
+        "stage1_pieces": {
+            n: records().get(n)["pieces"]
+            for n in records().names("rows-*") + records().names("signals-*")
+        },
         "capability": str(torch.backends.cpu.get_cpu_capability()),
         "torch": torch.__version__,
     }
