@@ -365,8 +365,11 @@ def threshold_cells(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[st
                 rows.append([loc.natural_row_metrics(x, r["error"], r["step"])
                              for x, r in zip(w, recs, strict=True)])  # fmt: skip
             d = tc.localisation(rows[0], rows[1], bad, plc, "L", alpha=1 - level)
-            cells[f"{context}/{est}"] = {"corrected_L": d["corrected"], "ci": d["ci"],
-                                         "above_0": d["ci"][0] > 0}  # fmt: skip
+            cells[f"{context}/{est}"] = {
+                "corrected_L": d["corrected"],
+                "ci": d["ci"],
+                "above_0": d["ci"] is not None and d["ci"][0] > 0,
+            }
     passed = [c for c, v in cells.items() if v["above_0"]]
     best = max(passed, key=lambda c: cells[c]["corrected_L"]) if passed else None
     return {"level": level, "cells": cells, "met": bool(passed), "best_cell": best}

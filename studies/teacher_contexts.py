@@ -150,6 +150,10 @@ def onset_summary(firsts: list[int], recs: list[dict[str, Any]]) -> dict[str, An
     prompts of each fraction."""
     bands = [onset_band(f, r["step"]) for f, r in zip(firsts, recs, strict=True)]
     groups = [r["case"]["group"] for r in recs]
+    if not recs:  # no rows (a placebo of a model that solves nothing): counts 0, no fractions
+        return {
+            band: {"fraction": None, "count": 0, "ci": None} for band in (*ONSET_BANDS, "token0")
+        }
     out = {}
     for band in ONSET_BANDS:
         b = bootstrap([float(x == band) for x in bands], groups)
@@ -188,10 +192,20 @@ def localisation(
     """Placebo-corrected `key`: per-prompt means on the real rows minus on the placebo rows, with
     each side resampled on its own (interval at 1 - `alpha`)."""
     pr, pp = loc.per_prompt(real, r_recs, key), loc.per_prompt(fake, f_recs, key)
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    if not pr or not pp:  # e.g. a model that solves nothing has no placebo: nothing to correct by
+        return {"real": mean(list(pr.values())), "placebo": mean(list(pp.values())),
+                "corrected": None, "ci": None}  # fmt: skip
     d = bootstrap_difference(list(pr.values()), list(pp.values()), alpha=alpha)
-    mean = lambda v: sum(v) / len(v)  # noqa: E731
     return {"real": mean(list(pr.values())), "placebo": mean(list(pp.values())),
             "corrected": d["mean"], "ci": d["ci"]}  # fmt: skip
+
+
+def interval(d: dict[str, Any]) -> str:
+    """`localisation`'s corrected value as "+0.123 [+0.010, +0.240]" (or "none": no placebo)."""
+    if d["corrected"] is None:
+        return "none (no placebo rows)"
+    return f"{d['corrected']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
 
 
 def summary(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
@@ -231,8 +245,7 @@ def summary(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
             print(f"{context:16s} {est:4s} first onset at position 0 "
                   f"{cell['first_onset']['position0']['count']}/{len(bad)}, at the error "
                   f"{cell['first_onset']['at']['count']}; corrected L " + ", ".join(
-                      f"{m} {v['L']['corrected']:+.3f} [{v['L']['ci'][0]:+.3f}, "
-                      f"{v['L']['ci'][1]:+.3f}]" for m, v in cell["methods"].items()),
+                      f"{m} {interval(v['L'])}" for m, v in cell["methods"].items()),
                   flush=True)  # fmt: skip
     groups = [r["case"]["group"] for r in bad]
     for (context, est), rows in per_row.items():
@@ -249,7 +262,7 @@ def summary(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
             a, b = ([loc.per_prompt(x[part, m], recs, "L") for part, recs in
                      (("failed", bad), ("placebo", plc))] for x in (rows, base))  # fmt: skip
             diffs = [[a[k][g] - b[k][g] for g in sorted(a[k]) if g in b[k]] for k in range(2)]
-            vs[f"{m}_L_corrected"] = bootstrap_difference(*diffs)
+            vs[f"{m}_L_corrected"] = bootstrap_difference(*diffs) if all(diffs) else None
         out["contexts"][context][est]["vs_worked_solution"] = vs
     return out
 

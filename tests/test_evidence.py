@@ -99,6 +99,13 @@ def test_bootstrap_difference_resamples_each_sample_on_its_own():
     assert ours["ci"] == pytest.approx(list(np.quantile(diffs, [0.025, 0.975])), rel=1e-9)
 
 
+def test_bootstrap_difference_names_an_empty_sample():
+    with pytest.raises(ValueError, match="sample b is empty"):
+        bootstrap_difference([0.5, 0.7], [])
+    with pytest.raises(ValueError, match="sample a is empty"):
+        bootstrap_difference([], [0.5])
+
+
 def test_slope_is_least_squares():
     assert slope([1.0, 3.0, 5.0]) == pytest.approx(2.0)
     assert slope([0.2, 0.1, 0.3, 0.2]) == pytest.approx(

@@ -127,3 +127,16 @@ def test_summary_pairs_every_context_on_the_same_rows():
             assert sum(cell["first_onset"][b]["count"] for b in tc.ONSET_BANDS) == 7
             assert set(cell["methods"]) == set(tc.METHODS)
             assert ("vs_worked_solution" in cell) == (context != "worked_solution")
+
+
+def test_a_model_with_no_placebo_rows_is_reported_uncorrected_not_crashed():
+    """Step 0 on chain solves almost nothing, so it has no placebo rows (issue 51): the corrected
+    localisation is None, the real side is still reported, and the onset bands count zero."""
+    rec = {"case": {"group": "natural-0"}, "step": [2, 5]}
+    real = [{"L": 1.0}, {"L": 0.0}]
+    got = tc.localisation(real, [], [rec, rec], [], "L")
+    assert got == {"real": 0.5, "placebo": None, "corrected": None, "ci": None}
+    assert tc.interval(got) == "none (no placebo rows)"
+    empty = tc.onset_summary([], [])
+    assert all(v == {"fraction": None, "count": 0, "ci": None} for v in empty.values())
+    assert set(empty) == {*tc.ONSET_BANDS, "token0"}

@@ -122,10 +122,15 @@ def bootstrap_difference(
     """{"mean", "ci": [lo, hi]} of mean(a) - mean(b) for two independent samples (e.g. per-prompt
     values on the real prompts and on the placebo's prompts): each is resampled on its own (a's
     draws first, then b's, from one generator seeded `seed`) and the interval is the percentile
-    interval of the differences of resampled means, at level 1 - `alpha`. Values must be finite.
+    interval of the differences of resampled means, at level 1 - `alpha`. Values must be finite,
+    and each sample needs at least one value (a ValueError names the empty one).
     """
     import torch
 
+    for name, values in (("a", a), ("b", b)):
+        if len(values) == 0:
+            raise ValueError(f"bootstrap_difference: sample {name} is empty; a difference of "
+                             "means needs at least one value on each side")  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     means = []
     for values in (a, b):
