@@ -34,6 +34,7 @@ OUT = RESULTS / "after_format.json"
 RECORDS = RESULTS / "after_format_runs"
 RUNS = ROOT / "runs" / "after_format"
 RULE = "docs/evidence/2026-11-27-after-format-rule.md"
+FIGURE = ROOT / "docs" / "after_format.png"
 
 # ------------------------------------------------------------------------------ the rule's numbers
 MIX = "chain:1"
@@ -419,8 +420,58 @@ def localise() -> dict[str, Any]:
         if not step0:
             out["threshold"] = threshold_cells(sets)
     write_json(OUT, loc.clean(out), indent=1)
-    print(f"wrote {OUT}")
+    figure(loc.clean(out))
+    print(f"wrote {OUT} and {FIGURE}")
     return out
+
+
+def figure(out: dict[str, Any], path: Path = FIGURE) -> None:
+    """Stage 1 at a glance: per cell, where `gear`'s first onset falls on the failed rows (the
+    checkpoint beside step 0) and the checkpoint's placebo-corrected L with the threshold's
+    Bonferroni interval. The title names the CPU capability."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from studies import teacher_contexts as tc
+
+    cells = [(c, e) for c in tc.CONTEXT_TEACHERS for e in tc.ESTIMATORS]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    colors = dict(
+        zip(tc.ONSET_BANDS, ("#bbbbbb", "#d62728", "#ff7f0e", "#2ca02c", "#1f77b4"), strict=True)
+    )
+    for k, (c, e) in enumerate(cells):
+        for dx, label in ((-0.2, "checkpoint"), (0.2, "step0")):
+            if not out.get(label):
+                continue
+            bands, bottom = out[label]["contexts"][c][e]["first_onset"], 0.0
+            for band in tc.ONSET_BANDS:
+                f = bands[band]["fraction"] or 0.0
+                ax.bar(k + dx, f, 0.36, bottom=bottom, color=colors[band],
+                       hatch="//" if label == "step0" else None,
+                       label=band if k == 0 and label == "checkpoint" else None)  # fmt: skip
+                bottom += f
+    ax.set_xticks(range(len(cells)), [f"{c}\n{e}" for c, e in cells], fontsize=7)
+    ax.set_ylabel("share of failed rows")
+    ax.set_title("gear's first onset vs the first wrong step (left bar SFT, hatched step 0)")
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    cell = out.get("threshold", {}).get("cells", {})
+    for k, (c, e) in enumerate(cells):
+        v = cell.get(f"{c}/{e}")
+        if v and v["ci"] is not None:
+            lo, hi = v["ci"]
+            bx.errorbar(k, v["corrected_L"], [[v["corrected_L"] - lo], [hi - v["corrected_L"]]],
+                        fmt="o", color="#2ca02c" if v["above_0"] else "k", capsize=3)  # fmt: skip
+    bx.axhline(0, color="grey", lw=0.8)
+    bx.set_xticks(range(len(cells)), [f"{c}\n{e}" for c, e in cells], fontsize=7)
+    bx.set_title(
+        f"SFT checkpoint: gear's placebo-corrected L ({out.get('threshold', {}).get('level', 0):.2%})"
+    )
+    fig.suptitle(f"After the format (issue 51), SmolLM2-135M on chain; CPU {out['capability']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def sft_seeds() -> list[int]:

@@ -130,3 +130,16 @@ def test_every_stage1_piece_is_kept_with_its_commit_and_cpu(monkeypatch, tmp_pat
     assert [p["prompts"] for p in pieces] == [40, 80]
     assert all(p["capability"] == str(torch.backends.cpu.get_cpu_capability()) for p in pieces)
     assert all("commit" in p for p in pieces)
+
+
+def test_the_figure_draws_both_models_and_names_the_cpu(tmp_path):
+    from studies import teacher_contexts as tc
+
+    band = {b: {"fraction": 0.2, "count": 1, "ci": [0.1, 0.3]} for b in tc.ONSET_BANDS}
+    contexts = {c: {e: {"first_onset": band} for e in tc.ESTIMATORS} for c in tc.CONTEXT_TEACHERS}
+    cells = {f"{c}/{e}": {"corrected_L": 0.1, "ci": [-0.05, 0.2], "above_0": False}
+             for c in tc.CONTEXT_TEACHERS for e in tc.ESTIMATORS}  # fmt: skip
+    out = {"capability": "AVX2", "checkpoint": {"contexts": contexts}, "step0": None,
+           "threshold": {"level": 0.9917, "cells": cells}}  # fmt: skip
+    af.figure(out, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 10_000
