@@ -256,12 +256,43 @@ def log_piece(name: str, **info: Any) -> None:
     records().put(name, kept)
 
 
+def placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Amendment 2's placebo: every correct rollout of `rows` ({"natural-j": records}) scored as a
+    failure. The pseudo-error is the result of the equation with the index of the prompt's first
+    failed row (as `localization.placebo_rows`), or, for a prompt with no failed row, the index
+    drawn (a generator seeded j) from all failed rows' first-error indices of `rows`."""
+    firsts = sorted(
+        r["case"]["detail"]["equation"] for v in rows.values() for r in v if "error" in r
+    )
+    out = []
+    for g, recs in rows.items():
+        failed = [r for r in recs if "error" in r]
+        if failed:
+            k = failed[0]["case"]["detail"]["equation"]
+        elif firsts:
+            gen = torch.Generator().manual_seed(int(g.split("-")[1]))
+            k = firsts[int(torch.randint(len(firsts), (1,), generator=gen))]
+        else:
+            continue  # no failed row anywhere: no error position to follow
+        for r in recs:
+            if "error" in r or not r.get("equations"):
+                continue
+            s0, _, e0, e1 = r["equations"][min(k, len(r["equations"]) - 1)]
+            out.append({**r, "error": e0, "error_end": e1, "step": [s0, e1], "placebo": True})
+    return out
+
+
+def same_prompt_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rule's placebo as first written: correct rollouts of prompts with a failed row."""
+    from studies import localization as loc
+
+    return loc.placebo_rows(rows)
+
+
 def counts(done: dict[str, list[dict[str, Any]]]) -> tuple[int, int]:
     """(failed rows with a checked first error, placebo rows) of a row cache."""
-    from studies.teacher_contexts import placebo_set
-
     failed = sum("error" in r for v in done.values() for r in v)
-    return failed, len(placebo_set(done))
+    return failed, len(placebo(done))
 
 
 def sample_rows(step0: bool, prompts: int | None = None) -> dict[str, Any]:
@@ -346,14 +377,17 @@ def teacher_signals(step0: bool) -> None:
 
 
 # ------------------------------------------------------------------------------ the analysis
-def threshold_cells(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def threshold_cells(
+    sets: dict[str, dict[str, list[dict[str, Any]]]], pick: Any = placebo
+) -> dict[str, Any]:
     """`gear`'s placebo-corrected L per cell at the rule's Bonferroni level (1 - 0.05 / CELLS),
-    and whether any cell's interval lies above 0 (the threshold for stage 2)."""
+    and whether any cell's interval lies above 0 (the threshold for stage 2); `pick` gives a
+    set's placebo rows."""
     from studies import localization as loc
     from studies import teacher_contexts as tc
 
     level = bonferroni(CELLS)  # 1 - 0.05 / CELLS
-    split = {name: ([r for v in s.values() for r in v if "error" in r], tc.placebo_set(s))
+    split = {name: ([r for v in s.values() for r in v if "error" in r], pick(s))
              for name, s in sets.items()}  # fmt: skip
     bad, plc = split["worked_solution"]
     cells = {}
@@ -373,7 +407,8 @@ def threshold_cells(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[st
             }
     passed = [c for c, v in cells.items() if v["above_0"]]
     best = max(passed, key=lambda c: cells[c]["corrected_L"]) if passed else None
-    return {"level": level, "cells": cells, "met": bool(passed), "best_cell": best}
+    return {"level": level, "cells": cells, "met": bool(passed), "best_cell": best,
+            "failed_rows": len(bad), "placebo_rows": len(plc)}  # fmt: skip
 
 
 def teacher_sets(step0: bool) -> dict[str, dict[str, list[dict[str, Any]]]] | None:
@@ -416,7 +451,10 @@ def localise() -> dict[str, Any]:
         if sets is None:
             out[label] = None
             continue
-        out[label] = {"prompts": len(sets["worked_solution"]), **tc.summary(sets)}
+        out[label] = {"prompts": len(sets["worked_solution"]), **tc.summary(sets, placebo)}
+        # the rule's first placebo (amendment 2): reported beside, read only with >= 100 rows
+        same = threshold_cells(sets, same_prompt_placebo)
+        out[label]["same_prompt_placebo"] = {**same, "read": same["placebo_rows"] >= MIN_PLACEBO}
         if not step0:
             out["threshold"] = threshold_cells(sets)
     write_json(OUT, loc.clean(out), indent=1)

@@ -32,6 +32,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,10 +209,13 @@ def interval(d: dict[str, Any]) -> str:
     return f"{d['corrected']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
 
 
-def summary(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def summary(
+    sets: dict[str, dict[str, list[dict[str, Any]]]],
+    placebo: Callable[[dict[str, list[dict[str, Any]]]], list[dict[str, Any]]] = placebo_set,
+) -> dict[str, Any]:
     """Every metric of the pre-registration from `sets` = {teacher: {prompt: records}} (the same
-    prompts and rows for every teacher)."""
-    split = {t: ([r for v in s.values() for r in v if "error" in r], placebo_set(s))
+    prompts and rows for every teacher); `placebo` picks a set's placebo rows."""
+    split = {t: ([r for v in s.values() for r in v if "error" in r], placebo(s))
              for t, s in sets.items()}  # fmt: skip
     bad, plc = split["worked_solution"]
     for t, (b, p) in split.items():  # the contexts are paired row for row

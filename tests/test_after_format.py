@@ -143,3 +143,33 @@ def test_the_figure_draws_both_models_and_names_the_cpu(tmp_path):
            "threshold": {"level": 0.9917, "cells": cells}}  # fmt: skip
     af.figure(out, tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def _rec(group, equations, error_equation=None):
+    r = {"case": {"group": group, "detail": {}}, "equations": equations, "ids": [len(group)]}
+    if error_equation is not None:
+        r["error"], r["case"]["detail"]["equation"] = 99, error_equation
+    return r
+
+
+def test_the_placebo_takes_every_correct_rollout_at_a_real_errors_index():
+    """Amendment 2: a prompt with a failed row puts the pseudo-error on its first failed row's
+    equation (the rule's same-prompt placebo, unchanged); an all-correct prompt on an index drawn
+    from the failed rows' own, the same every time; a failed row is never a placebo row."""
+    from studies import localization as loc
+
+    eqs = [[0, 4, 2, 4], [5, 9, 7, 9], [10, 14, 12, 14]]  # (start, result start, result end)
+    rows = {
+        "natural-0": [_rec("natural-0", eqs, error_equation=1), _rec("natural-0", eqs)],
+        "natural-1": [_rec("natural-1", eqs), _rec("natural-1", eqs)],
+        "natural-2": [_rec("natural-2", eqs, error_equation=2)],
+    }
+    got = af.placebo(rows)
+    assert len(got) == 3 and all(r["placebo"] for r in got)
+    assert got[0] == loc.placebo_rows(rows)[0] and got[0]["step"] == [5, 9]
+    drawn = {r["step"][0] for r in got[1:]}
+    assert len(drawn) == 1 and drawn <= {5, 10}  # one index for the prompt, a real error's
+    assert af.placebo(rows) == got
+    assert af.counts(rows) == (2, 3)
+    assert len(af.same_prompt_placebo(rows)) == 1
+    assert af.placebo({"natural-0": [_rec("natural-0", eqs)]}) == []  # no error to follow
