@@ -256,8 +256,8 @@ def log_piece(name: str, **info: Any) -> None:
     records().put(name, kept)
 
 
-def placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Amendment 2's placebo: every correct rollout of `rows` ({"natural-j": records}) scored as a
+def all_correct_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Amendment 2's placebo (a secondary since amendment 3): every correct rollout of `rows` ({"natural-j": records}) scored as a
     failure. The pseudo-error is the result of the equation with the index of the prompt's first
     failed row (as `localization.placebo_rows`), or, for a prompt with no failed row, the index
     drawn (a generator seeded j) from all failed rows' first-error indices of `rows`."""
@@ -282,8 +282,9 @@ def placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def same_prompt_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The rule's placebo as first written: correct rollouts of prompts with a failed row."""
+def placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rule's placebo (as first written; amendment 3): the correct rollouts of prompts with a
+    failed row, the pseudo-error on the equation with the index of the prompt's first failure."""
     from studies import localization as loc
 
     return loc.placebo_rows(rows)
@@ -452,9 +453,8 @@ def localise() -> dict[str, Any]:
             out[label] = None
             continue
         out[label] = {"prompts": len(sets["worked_solution"]), **tc.summary(sets, placebo)}
-        # the rule's first placebo (amendment 2): reported beside, read only with >= 100 rows
-        same = threshold_cells(sets, same_prompt_placebo)
-        out[label]["same_prompt_placebo"] = {**same, "read": same["placebo_rows"] >= MIN_PLACEBO}
+        # amendment 2's all-correct placebo, withdrawn by amendment 3: beside it, never read
+        out[label]["all_correct_placebo"] = threshold_cells(sets, all_correct_placebo)
         if not step0:
             out["threshold"] = threshold_cells(sets)
     write_json(OUT, loc.clean(out), indent=1)

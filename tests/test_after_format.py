@@ -152,8 +152,8 @@ def _rec(group, equations, error_equation=None):
     return r
 
 
-def test_the_placebo_takes_every_correct_rollout_at_a_real_errors_index():
-    """Amendment 2: a prompt with a failed row puts the pseudo-error on its first failed row's
+def test_the_all_correct_placebo_takes_every_correct_rollout_at_a_real_errors_index():
+    """Amendment 2 (a secondary since amendment 3): a prompt with a failed row puts the pseudo-error on its first failed row's
     equation (the rule's same-prompt placebo, unchanged); an all-correct prompt on an index drawn
     from the failed rows' own, the same every time; a failed row is never a placebo row."""
     from studies import localization as loc
@@ -164,12 +164,15 @@ def test_the_placebo_takes_every_correct_rollout_at_a_real_errors_index():
         "natural-1": [_rec("natural-1", eqs), _rec("natural-1", eqs)],
         "natural-2": [_rec("natural-2", eqs, error_equation=2)],
     }
-    got = af.placebo(rows)
+    got = af.all_correct_placebo(rows)
     assert len(got) == 3 and all(r["placebo"] for r in got)
     assert got[0] == loc.placebo_rows(rows)[0] and got[0]["step"] == [5, 9]
     drawn = {r["step"][0] for r in got[1:]}
     assert len(drawn) == 1 and drawn <= {5, 10}  # one index for the prompt, a real error's
-    assert af.placebo(rows) == got
-    assert af.counts(rows) == (2, 3)
-    assert len(af.same_prompt_placebo(rows)) == 1
-    assert af.placebo({"natural-0": [_rec("natural-0", eqs)]}) == []  # no error to follow
+    assert af.all_correct_placebo(rows) == got
+    assert (
+        af.all_correct_placebo({"natural-0": [_rec("natural-0", eqs)]}) == []
+    )  # nothing to follow
+    # the rule's placebo (amendment 3) is the same-prompt one, and it sets when sampling stops
+    assert af.placebo(rows) == loc.placebo_rows(rows) == got[:1]
+    assert af.counts(rows) == (2, 1)
