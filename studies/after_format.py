@@ -257,8 +257,8 @@ def log_piece(name: str, **info: Any) -> None:
 
 
 def all_correct_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Amendment 2's placebo (a secondary since amendment 3): every correct rollout of `rows` ({"natural-j": records}) scored as a
-    failure. The pseudo-error is the result of the equation with the index of the prompt's first
+    """Amendment 2's placebo (a secondary since amendment 3): every correct rollout of `rows`
+    ({"natural-j": records}) scored as a failure. The pseudo-error is the result of the equation with the index of the prompt's first
     failed row (as `localization.placebo_rows`), or, for a prompt with no failed row, the index
     drawn (a generator seeded j) from all failed rows' first-error indices of `rows`."""
     firsts = sorted(
