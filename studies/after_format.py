@@ -247,11 +247,11 @@ def load_rows_model(step0: bool) -> tuple[Any, Any]:
     return model.eval(), tok
 
 
-def log_piece(name: str, **info: Any) -> None:
-    """Append one stage-1 piece (wall seconds at one thread, commit, CPU) to the record `name`, so
-    the budget and every stopped or resumed piece can be read back, as the rule asks."""
+def log_piece(name: str, commit: str, **info: Any) -> None:
+    """Append one stage-1 piece (wall seconds at one thread, the commit it started at, CPU) to the
+    record `name`, so the budget and every stopped or resumed piece can be read back."""
     kept = records().get(name) or {"pieces": []}
-    kept["pieces"].append({**info, "commit": head_commit(ROOT),
+    kept["pieces"].append({**info, "commit": commit,
                            "capability": str(torch.backends.cpu.get_cpu_capability())})  # fmt: skip
     records().put(name, kept)
 
@@ -309,7 +309,7 @@ def sample_rows(step0: bool, prompts: int | None = None) -> dict[str, Any]:
     done = onpolicy.load_cache(path)
     model = tok = None
     n = max(PROMPTS_GROWTH, len(done))
-    t0 = time.time()
+    t0, commit = time.time(), head_commit(ROOT)  # the code that runs, not a later checkout's
     while True:
         n = prompts if prompts is not None else n
         rows = t.dataset("test", n=n, seed=0)
@@ -335,7 +335,7 @@ def sample_rows(step0: bool, prompts: int | None = None) -> dict[str, Any]:
         if prompts is not None or (failed >= MIN_FAILED and placebo >= MIN_PLACEBO):
             got = {"prompts": n, "failed_rows": failed, "placebo_rows": placebo}
             if model is not None:  # a piece that sampled something
-                log_piece(f"rows-{rows_dir(step0).name}", wall_s=time.time() - t0, **got)
+                log_piece(f"rows-{rows_dir(step0).name}", commit, wall_s=time.time() - t0, **got)
             return got
         n += PROMPTS_GROWTH
 
@@ -354,7 +354,7 @@ def teacher_signals(step0: bool) -> None:
     caches = {name: onpolicy.load_cache(p) for name, p in paths.items()}
     todo = [g for g in rows if not all(g in c for c in caches.values())]
     model, tok = load_rows_model(step0) if todo else (None, None)
-    t0 = time.time()
+    t0, commit = time.time(), head_commit(ROOT)
     for k, g in enumerate(todo):
         row, recs = data[int(g.split("-")[1])], rows[g]
         got = {name: [] for name in tc.TEACHERS}
@@ -374,7 +374,9 @@ def teacher_signals(step0: bool) -> None:
             print(f"{rows_dir(step0).name}: teachers of {k + 1}/{len(todo)} prompts, "
                   f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
     if todo:
-        log_piece(f"signals-{rows_dir(step0).name}", wall_s=time.time() - t0, prompts=len(todo))
+        log_piece(
+            f"signals-{rows_dir(step0).name}", commit, wall_s=time.time() - t0, prompts=len(todo)
+        )
 
 
 # ------------------------------------------------------------------------------ the analysis

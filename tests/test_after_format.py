@@ -124,12 +124,12 @@ def test_step0_is_read_on_the_checkpoints_prompts_only(monkeypatch, tmp_path):
 
 def test_every_stage1_piece_is_kept_with_its_commit_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(af, "RECORDS", tmp_path)
-    af.log_piece("rows-x", wall_s=3.0, prompts=40)
-    af.log_piece("rows-x", wall_s=1.0, prompts=80)
+    af.log_piece("rows-x", "abc", wall_s=3.0, prompts=40)
+    af.log_piece("rows-x", "def", wall_s=1.0, prompts=80)
     pieces = af.records().get("rows-x")["pieces"]
     assert [p["prompts"] for p in pieces] == [40, 80]
     assert all(p["capability"] == str(torch.backends.cpu.get_cpu_capability()) for p in pieces)
-    assert all("commit" in p for p in pieces)
+    assert [p["commit"] for p in pieces] == ["abc", "def"]
 
 
 def test_the_figure_draws_both_models_and_names_the_cpu(tmp_path):
