@@ -261,6 +261,8 @@ def all_correct_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str,
     ({"natural-j": records}) scored as a failure. The pseudo-error is the result of the equation with the index of the prompt's first
     failed row (as `localization.placebo_rows`), or, for a prompt with no failed row, the index
     drawn (a generator seeded j) from all failed rows' first-error indices of `rows`."""
+    from studies import localization as loc
+
     firsts = sorted(
         r["case"]["detail"]["equation"] for v in rows.values() for r in v if "error" in r
     )
@@ -274,11 +276,7 @@ def all_correct_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str,
             k = firsts[int(torch.randint(len(firsts), (1,), generator=gen))]
         else:
             continue  # no failed row anywhere: no error position to follow
-        for r in recs:
-            if "error" in r or not r.get("equations"):
-                continue
-            s0, _, e0, e1 = r["equations"][min(k, len(r["equations"]) - 1)]
-            out.append({**r, "error": e0, "error_end": e1, "step": [s0, e1], "placebo": True})
+        out += loc.pseudo_failures(recs, k)
     return out
 
 

@@ -173,14 +173,20 @@ def placebo_rows(nat: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     out = []
     for recs in nat.values():
         failed = [r for r in recs if "error" in r]
-        if not failed:
+        if failed:
+            out += pseudo_failures(recs, failed[0]["case"]["detail"]["equation"])
+    return out
+
+
+def pseudo_failures(recs: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The correct rollouts of `recs` as placebo rows, the pseudo-error on the result of their
+    equation with index `k` (the last equation if fewer)."""
+    out = []
+    for r in recs:
+        if "error" in r or not r.get("equations"):
             continue
-        k = failed[0]["case"]["detail"]["equation"]
-        for r in recs:
-            if "error" in r or not r.get("equations"):
-                continue
-            s0, _, e0, e1 = r["equations"][min(k, len(r["equations"]) - 1)]
-            out.append({**r, "error": e0, "error_end": e1, "step": [s0, e1], "placebo": True})
+        s0, _, e0, e1 = r["equations"][min(k, len(r["equations"]) - 1)]
+        out.append({**r, "error": e0, "error_end": e1, "step": [s0, e1], "placebo": True})
     return out
 
 
