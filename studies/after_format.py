@@ -457,13 +457,17 @@ def localise() -> dict[str, Any]:
         out[label]["all_correct_placebo"] = threshold_cells(sets, all_correct_placebo)
         if not step0:
             out["threshold"] = threshold_cells(sets)
+    out["budget_core_hours"] = budget(out)
+    met = bool(out.get("threshold", {}).get("met"))
+    out["stage2"] = {"runs": met, "why": "the threshold is met" if met else
+                     "no cell's gear corrected L has its Bonferroni interval above 0"}  # fmt: skip
     write_json(OUT, loc.clean(out), indent=1)
     figure(loc.clean(out))
     print(f"wrote {OUT} and {FIGURE}")
     return out
 
 
-def figure(out: dict[str, Any], path: Path = FIGURE) -> None:
+def figure(out: dict[str, Any], path: Path | None = None) -> None:
     """Stage 1 at a glance: per cell, where `gear`'s first onset falls on the failed rows (the
     checkpoint beside step 0) and the checkpoint's placebo-corrected L with the threshold's
     Bonferroni interval. The title names the CPU capability."""
@@ -508,8 +512,17 @@ def figure(out: dict[str, Any], path: Path = FIGURE) -> None:
     )
     fig.suptitle(f"After the format (issue 51), SmolLM2-135M on chain; CPU {out['capability']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path or FIGURE, dpi=110)  # FIGURE read now: a patched module writes elsewhere
     plt.close(fig)
+
+
+def budget(out: dict[str, Any]) -> dict[str, float]:
+    """Core-hours so far (wall seconds at one thread; a lost piece's approximate wall time)."""
+    seconds = lambda pieces: sum(p.get("wall_s", p.get("wall_s_approx", 0)) for p in pieces)  # noqa: E731
+    stage0 = sum(seconds(r["pieces"]) for r in out["sft"].values())
+    stage1 = sum(seconds(p) for p in out["stage1_pieces"].values())
+    return {"stage0": round(stage0 / 3600, 2), "stage1": round(stage1 / 3600, 2),
+            "total": round((stage0 + stage1) / 3600, 2), "limit": 16.0}  # fmt: skip
 
 
 def sft_seeds() -> list[int]:

@@ -132,7 +132,7 @@ def test_every_stage1_piece_is_kept_with_its_commit_and_cpu(monkeypatch, tmp_pat
     assert [p["commit"] for p in pieces] == ["abc", "def"]
 
 
-def test_the_figure_draws_both_models_and_names_the_cpu(tmp_path):
+def test_the_figure_draws_both_models_and_names_the_cpu(tmp_path, monkeypatch):
     from studies import teacher_contexts as tc
 
     band = {b: {"fraction": 0.2, "count": 1, "ci": [0.1, 0.3]} for b in tc.ONSET_BANDS}
@@ -141,7 +141,8 @@ def test_the_figure_draws_both_models_and_names_the_cpu(tmp_path):
              for c in tc.CONTEXT_TEACHERS for e in tc.ESTIMATORS}  # fmt: skip
     out = {"capability": "AVX2", "checkpoint": {"contexts": contexts}, "step0": None,
            "threshold": {"level": 0.9917, "cells": cells}}  # fmt: skip
-    af.figure(out, tmp_path / "f.png")
+    monkeypatch.setattr(af, "FIGURE", tmp_path / "f.png")  # where localise() writes it
+    af.figure(out)
     assert (tmp_path / "f.png").stat().st_size > 10_000
 
 
@@ -176,3 +177,10 @@ def test_the_all_correct_placebo_takes_every_correct_rollout_at_a_real_errors_in
     # the rule's placebo (amendment 3) is the same-prompt one, and it sets when sampling stops
     assert af.placebo(rows) == loc.placebo_rows(rows) == got[:1]
     assert af.counts(rows) == (2, 1)
+
+
+def test_the_budget_counts_every_piece_lost_ones_included():
+    out = {"sft": {"seed0": {"pieces": [{"wall_s_approx": 1800}, {"resumed_at_step": 20},
+                                        {"wall_s": 1800}]}},
+           "stage1_pieces": {"rows-a": [{"wall_s": 3600}], "signals-a": [{"wall_s": 1800}]}}  # fmt: skip
+    assert af.budget(out) == {"stage0": 1.0, "stage1": 1.5, "total": 2.5, "limit": 16.0}
