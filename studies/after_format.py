@@ -379,15 +379,18 @@ def teacher_signals(step0: bool) -> None:
 
 # ------------------------------------------------------------------------------ the analysis
 def threshold_cells(
-    sets: dict[str, dict[str, list[dict[str, Any]]]], pick: Any = placebo
+    sets: dict[str, dict[str, list[dict[str, Any]]]],
+    pick: Any = placebo,
+    method: str = "gear",
+    comparisons: int = CELLS,
 ) -> dict[str, Any]:
-    """`gear`'s placebo-corrected L per cell at the rule's Bonferroni level (1 - 0.05 / CELLS),
-    and whether any cell's interval lies above 0 (the threshold for stage 2); `pick` gives a
-    set's placebo rows."""
+    """`method`'s placebo-corrected L per cell at the Bonferroni level 1 - 0.05 / `comparisons`
+    (the rule's: `gear`, 6 cells), and whether any cell's interval lies above 0 (the threshold for
+    stage 2); `pick` gives a set's placebo rows."""
     from studies import localization as loc
     from studies import teacher_contexts as tc
 
-    level = bonferroni(CELLS)  # 1 - 0.05 / CELLS
+    level = bonferroni(comparisons)  # 1 - 0.05 / comparisons
     split = {name: ([r for v in s.values() for r in v if "error" in r], pick(s))
              for name, s in sets.items()}  # fmt: skip
     bad, plc = split["worked_solution"]
@@ -397,7 +400,7 @@ def threshold_cells(
             rows = []
             for k, recs in ((0, bad), (1, plc)):
                 con = split[wrong][k] if wrong else None
-                w, _ = tc.context_details(split[right][k], "gear", est, con)
+                w, _ = tc.context_details(split[right][k], method, est, con)
                 rows.append([loc.natural_row_metrics(x, r["error"], r["step"])
                              for x, r in zip(w, recs, strict=True)])  # fmt: skip
             d = tc.localisation(rows[0], rows[1], bad, plc, "L", alpha=1 - level)
@@ -457,6 +460,14 @@ def localise() -> dict[str, Any]:
         out[label]["all_correct_placebo"] = threshold_cells(sets, all_correct_placebo)
         if not step0:
             out["threshold"] = threshold_cells(sets)
+            # read after the result, so labelled post-hoc: the rule's other two methods, all 18
+            # (method, cell) pairs at one Bonferroni level; never a route to stage 2
+            out["post_hoc_all_methods"] = {
+                "note": "post-hoc: the rule reports gear_token and gear_departure_blame but decides "
+                "on gear alone; here all 3 methods x 6 cells at 1 - 0.05/18",
+                **{m: threshold_cells(sets, placebo, m, CELLS * len(tc.METHODS))["cells"]
+                   for m in tc.METHODS},
+            }  # fmt: skip
     out["budget_core_hours"] = budget(out)
     met = bool(out.get("threshold", {}).get("met"))
     out["stage2"] = {"runs": met, "why": "the threshold is met" if met else
