@@ -258,9 +258,10 @@ def log_piece(name: str, commit: str, **info: Any) -> None:
 
 def all_correct_placebo(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Amendment 2's placebo (a secondary since amendment 3): every correct rollout of `rows`
-    ({"natural-j": records}) scored as a failure. The pseudo-error is the result of the equation with the index of the prompt's first
-    failed row (as `localization.placebo_rows`), or, for a prompt with no failed row, the index
-    drawn (a generator seeded j) from all failed rows' first-error indices of `rows`."""
+    ({"natural-j": records}) scored as a failure. The pseudo-error is the result of the equation
+    with the index of the prompt's first failed row (as `localization.placebo_rows`), or, for a
+    prompt with no failed row, the index drawn (a generator seeded j) from all failed rows'
+    first-error indices of `rows`."""
     from studies import localization as loc
 
     firsts = sorted(
@@ -326,12 +327,12 @@ def sample_rows(step0: bool, prompts: int | None = None) -> dict[str, Any]:
                     model, tok, t, rows[j], f"natural-{j}", g
                 )
             onpolicy.save_cache(path, done)
-            failed, placebo = counts(done)
+            failed, placebos = counts(done)
             print(f"{path.parent.name}: {len(done)}/{n} prompts, {failed} failed rows, "
-                  f"{placebo} placebo rows, {time.time() - t0:.0f} s", flush=True)  # fmt: skip
-        failed, placebo = counts(done)
-        if prompts is not None or (failed >= MIN_FAILED and placebo >= MIN_PLACEBO):
-            got = {"prompts": n, "failed_rows": failed, "placebo_rows": placebo}
+                  f"{placebos} placebo rows, {time.time() - t0:.0f} s", flush=True)  # fmt: skip
+        failed, placebos = counts(done)
+        if prompts is not None or (failed >= MIN_FAILED and placebos >= MIN_PLACEBO):
+            got = {"prompts": n, "failed_rows": failed, "placebo_rows": placebos}
             if model is not None:  # a piece that sampled something
                 log_piece(f"rows-{rows_dir(step0).name}", commit, wall_s=time.time() - t0, **got)
             return got
@@ -387,23 +388,16 @@ def threshold_cells(
     """`method`'s placebo-corrected L per cell at the Bonferroni level 1 - 0.05 / `comparisons`
     (the rule's: `gear`, 6 cells), and whether any cell's interval lies above 0 (the threshold for
     stage 2); `pick` gives a set's placebo rows."""
-    from studies import localization as loc
     from studies import teacher_contexts as tc
 
     level = bonferroni(comparisons)  # 1 - 0.05 / comparisons
-    split = {name: ([r for v in s.values() for r in v if "error" in r], pick(s))
-             for name, s in sets.items()}  # fmt: skip
+    split = tc.split_rows(sets, pick)
     bad, plc = split["worked_solution"]
     cells = {}
-    for context, (right, wrong) in tc.CONTEXT_TEACHERS.items():
+    for context in tc.CONTEXT_TEACHERS:
         for est in tc.ESTIMATORS:
-            rows = []
-            for k, recs in ((0, bad), (1, plc)):
-                con = split[wrong][k] if wrong else None
-                w, _ = tc.context_details(split[right][k], method, est, con)
-                rows.append([loc.natural_row_metrics(x, r["error"], r["step"])
-                             for x, r in zip(w, recs, strict=True)])  # fmt: skip
-            d = tc.localisation(rows[0], rows[1], bad, plc, "L", alpha=1 - level)
+            real, fake = (tc.cell_rows(split, context, est, method, k)[0] for k in (0, 1))
+            d = tc.localisation(real, fake, bad, plc, "L", alpha=1 - level)
             cells[f"{context}/{est}"] = {
                 "corrected_L": d["corrected"],
                 "ci": d["ci"],

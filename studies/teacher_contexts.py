@@ -209,14 +209,41 @@ def interval(d: dict[str, Any]) -> str:
     return f"{d['corrected']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
 
 
+Rows = dict[str, list[dict[str, Any]]]  # {prompt: records} of one teacher
+
+
+def split_rows(
+    sets: dict[str, Rows], placebo: Callable[[Rows], list[dict[str, Any]]] = placebo_set
+) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """{teacher: (failed rows with a checked first error, placebo rows)} of `sets`."""
+    return {t: ([r for v in s.values() for r in v if "error" in r], placebo(s))
+            for t, s in sets.items()}  # fmt: skip
+
+
+def cell_rows(
+    split: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+    context: str,
+    est: str,
+    method: str,
+    part: int,
+) -> tuple[list[dict[str, float]], list[int]]:
+    """`method`'s per-row metrics and first onsets under teacher `context` and estimator `est`,
+    on the failed (`part` 0) or placebo (`part` 1) rows of `split_rows`."""
+    right, wrong = CONTEXT_TEACHERS[context]
+    recs, con = split[right][part], split[wrong][part] if wrong else None
+    w, first = context_details(recs, method, est, con)
+    metrics = [
+        loc.natural_row_metrics(x, r["error"], r["step"]) for x, r in zip(w, recs, strict=True)
+    ]
+    return metrics, first
+
+
 def summary(
-    sets: dict[str, dict[str, list[dict[str, Any]]]],
-    placebo: Callable[[dict[str, list[dict[str, Any]]]], list[dict[str, Any]]] = placebo_set,
+    sets: dict[str, Rows], placebo: Callable[[Rows], list[dict[str, Any]]] = placebo_set
 ) -> dict[str, Any]:
     """Every metric of the pre-registration from `sets` = {teacher: {prompt: records}} (the same
     prompts and rows for every teacher); `placebo` picks a set's placebo rows."""
-    split = {t: ([r for v in s.values() for r in v if "error" in r], placebo(s))
-             for t, s in sets.items()}  # fmt: skip
+    split = split_rows(sets, placebo)
     bad, plc = split["worked_solution"]
     for t, (b, p) in split.items():  # the contexts are paired row for row
         assert [r["ids"] for r in b + p] == [r["ids"] for r in bad + plc], f"{t}: other rows"
@@ -225,20 +252,17 @@ def summary(
         "placebo_rows": len(plc), "placebo_prompts": len({r["case"]["group"] for r in plc}),
     }  # fmt: skip
     per_row: dict[tuple[str, str], dict[str, Any]] = {}
-    for context, (right, wrong) in CONTEXT_TEACHERS.items():
+    for context, (right, _) in CONTEXT_TEACHERS.items():
         for est in ESTIMATORS:
             cell: dict[str, Any] = {"failed_rows": len(bad), "placebo_rows": len(plc)}
             rows: dict[str, Any] = {}
             for part, k in (("failed", 0), ("placebo", 1)):
-                recs, con = split[right][k], split[wrong][k] if wrong else None
                 for m in METHODS:
-                    w, first = context_details(recs, m, est, con)
-                    rows[part, m] = [loc.natural_row_metrics(x, r["error"], r["step"])
-                                     for x, r in zip(w, recs, strict=True)]  # fmt: skip
+                    rows[part, m], first = cell_rows(split, context, est, m, k)
                     if m == "gear":
                         rows[part, "first"] = first
                 name = "first_onset" if part == "failed" else "placebo_first_onset"
-                cell[name] = onset_summary(rows[part, "first"], recs)
+                cell[name] = onset_summary(rows[part, "first"], split[right][k])
             cell["methods"] = {
                 m: {key: localisation(rows["failed", m], rows["placebo", m], bad, plc, key)
                     for key in ("L", "blame_before", "blame_at", "blame_after")}
