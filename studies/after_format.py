@@ -409,6 +409,24 @@ def threshold_cells(
             "failed_rows": len(bad), "placebo_rows": len(plc)}  # fmt: skip
 
 
+def positive_control(sets: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Post-hoc, not in the rule: the checker's oracle (`localization.natural_weights` "oracle":
+    token-level weights on the indicator of the first wrong equation, which a placebo row does not
+    have) through the same metric, placebo and level as the threshold, so a null reading of `gear`
+    is known to come from the signal, not from a pipeline that cannot see localisation here."""
+    from studies import localization as loc
+    from studies import teacher_contexts as tc
+
+    bad, plc = tc.split_rows(sets, placebo)["worked_solution"]
+    real, fake = (
+        [loc.natural_row_metrics(w, r["error"], r["step"])
+         for w, r in zip(loc.natural_weights(recs, "oracle", "full", 0), recs, strict=True)]
+        for recs in (bad, plc)
+    )  # fmt: skip
+    level = bonferroni(CELLS)
+    return {"level": level, **tc.localisation(real, fake, bad, plc, "L", alpha=1 - level)}
+
+
 def teacher_sets(step0: bool) -> dict[str, dict[str, list[dict[str, Any]]]] | None:
     from studies import onpolicy
     from studies import teacher_contexts as tc
@@ -452,6 +470,7 @@ def localise() -> dict[str, Any]:
         out[label] = {"prompts": len(sets["worked_solution"]), **tc.summary(sets, placebo)}
         # amendment 2's all-correct placebo, withdrawn by amendment 3: beside it, never read
         out[label]["all_correct_placebo"] = threshold_cells(sets, all_correct_placebo)
+        out[label]["positive_control_post_hoc"] = positive_control(sets)
         if not step0:
             out["threshold"] = threshold_cells(sets)
             # read after the result, so labelled post-hoc: the rule's other two methods, all 18

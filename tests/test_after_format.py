@@ -184,3 +184,25 @@ def test_the_budget_counts_every_piece_lost_ones_included():
                                         {"wall_s": 1800}]}},
            "stage1_pieces": {"rows-a": [{"wall_s": 3600}], "signals-a": [{"wall_s": 1800}]}}  # fmt: skip
     assert af.budget(out) == {"stage0": 1.0, "stage1": 1.5, "total": 2.5, "limit": 16.0}
+
+
+def test_the_positive_control_localises_where_the_placebo_cannot():
+    """The checker's oracle marks the real first wrong equation and nothing on a placebo row, so
+    its placebo-corrected L is high; a pipeline that could not see localisation would give ~0."""
+    from studies import teacher_contexts as tc
+
+    def rec(group, error=None):
+        n = 12
+        r = {"case": {"group": group, "detail": {}}, "ids": list(range(n)), "kl": [0.0] * n,
+             "entropy": [0.0] * n, "lp_s": [0.0] * n, "lp_t": [0.0] * n,
+             "equations": [[0, 4, 2, 4], [5, 9, 7, 9]]}  # fmt: skip
+        if error is not None:
+            r.update(error=7, error_end=9, step=[5, 9])
+            r["case"]["detail"]["equation"] = 1
+        return r
+
+    rows = {f"natural-{j}": [rec(f"natural-{j}", error=1), rec(f"natural-{j}")] for j in range(6)}
+    sets = {"worked_solution": rows, **{t: rows for t in tc.TEACHERS}}
+    got = af.positive_control(sets)
+    assert got["level"] == pytest.approx(1 - 0.05 / 6)
+    assert got["real"] == 1.0 and got["placebo"] < 0.5 and got["ci"][0] > 0
