@@ -232,6 +232,34 @@ def _load_adapter(path: Path, dtype: torch.dtype | str) -> tuple[PreTrainedModel
     return PeftModel.from_pretrained(model, str(path)).merge_and_unload(), tokenizer
 
 
+#: the files whose bytes are a local model directory's weights (not its configs, which may name
+#: a machine's paths, nor its tokenizer or card)
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """SHA-256 over a local model directory's weight files (names and bytes, in name order;
+    `WEIGHT_FILES`), or over one file: the same weights give the same hash wherever the
+    directory lies. A ValueError when `path` holds none of them."""
+    import hashlib
+
+    path = Path(path)
+    files = (
+        [path]
+        if path.is_file()
+        else sorted({f for pattern in WEIGHT_FILES for f in path.glob(pattern) if f.is_file()})
+    )
+    if not files:
+        raise ValueError(f"{path}: no model weights ({', '.join(WEIGHT_FILES)}) to hash")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def tiny_llama(
     tokenizer: PreTrainedTokenizerBase,
     *,
