@@ -17,8 +17,6 @@ A record is a dict: "case" (`Case` as a dict), "ids" (T,), "kl", "entropy", "lp_
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,27 +27,20 @@ from torch import Tensor
 
 from gear.evidence import replacing
 
+# the checker is gear's own (`credit_method="first_error"` places the same first wrong equation)
+from gear.tasks.steps import (  # noqa: F401  (re-exported: the studies read them from here)
+    EQUATION,
+    equation_spans,
+    evaluate_expression,
+    first_wrong_equation,
+)
+
 #: the on-policy failures: 2- and 3-step problems
 NATURAL_MIX = {"multistep": 0.5, "chain": 0.5}
 #: the placebo's extra prompts: one-equation 1- and 2-digit problems the model gets right more
 #: often, so their correct rollouts give the placebo enough rows (on NATURAL_MIX it is right 2.5%
 #: of the time)
 PLACEBO_MIX = {"1digit": 0.5, "2digit": 0.5}
-
-EQUATION = re.compile(
-    r"((?:\d+(?:\.\d+)?\s*[-+*/x×]\s*)+\d+(?:\.\d+)?)\s*(=)\s*(\$?)(-?\d+(?:\.\d+)?)"
-)
-
-
-def evaluate_expression(expr: str) -> float | None:
-    """Value of ``3 + 4 * 2`` style expressions (digits, + - * / x ×), None if not computable."""
-    expr = expr.replace("×", "*").replace("x", "*")
-    if not re.fullmatch(r"[\d.\s+\-*/]+", expr):
-        return None
-    try:
-        return float(eval(expr, {"__builtins__": {}}, {}))  # only digits and operators
-    except (ArithmeticError, SyntaxError):
-        return None
 
 
 def first_difference(a: str, b: str) -> int:
@@ -58,21 +49,6 @@ def first_difference(a: str, b: str) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def equation_spans(text: str) -> list[tuple[int, int, int]]:
-    """(equation start, result start, result end) in characters of every equation of `text`."""
-    return [(m.start(), *m.span(4)) for m in EQUATION.finditer(text)]
-
-
-def first_wrong_equation(text: str) -> tuple[int, re.Match[str], float] | None:
-    """(index, match, right value) of the first equation whose stated result is arithmetically
-    wrong, or None."""
-    for k, m in enumerate(EQUATION.finditer(text)):
-        value = evaluate_expression(m.group(1))
-        if value is not None and not math.isclose(value, float(m.group(4)), abs_tol=1e-6):
-            return k, m, value
-    return None
 
 
 def check_rollout(text: str, answer: str, task: Any) -> dict[str, Any]:

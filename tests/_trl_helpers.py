@@ -67,6 +67,7 @@ def make_trainer(
         "wrong_answer",
         "answer_span",
         "reference_text",
+        "step_checker",
         "eval_dataset",
         "peft_config",
     )

@@ -345,3 +345,25 @@ def test_the_gate_fails_without_a_trend_when_a_run_has_one_step():
         "training reward trend > 0": False,
     }
     assert not gate["passed"] and gate["reward_slope"]["n"] == 2
+
+
+def test_an_arm_is_a_method_with_its_own_settings():
+    assert study.parse_arm("gear") == ("gear", {"credit_method": "gear"})
+    assert study.parse_arm("gear_token@kl_estimator=k1") == (
+        "gear_token+kl_estimator=k1",
+        {"credit_method": "gear_token", "kl_estimator": "k1"},
+    )
+    name, values = study.parse_arm("lead=gear_token@kl_estimator=k1,credit_alpha=0.25")
+    assert name == "lead"
+    assert values == {"credit_method": "gear_token", "kl_estimator": "k1", "credit_alpha": 0.25}
+    for bad, words in [
+        ("gear@", "nothing after '@'"),
+        ("gear@alpha", "expected key=value"),
+        ("x-seed1=gear", "without '-seed'"),
+        ("a b=gear", "letters, digits"),
+        ("gear@kl_estimator=k1,kl_estimator=k3", "set twice"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            study.parse_arm(bad)
+    with pytest.raises(ValueError, match="two arms are named 'a'"):
+        study.parse_arms(["a=gear", "a=grpo"])

@@ -263,10 +263,11 @@ def _dry_run(cfg: Any) -> None:
     """Everything `gear train` checks before loading a model, then the resolved config."""
     import yaml
 
-    from gear.config import default_run_dir, run_precision, trainer_args
+    from gear.config import check_task_method, default_run_dir, run_precision, trainer_args
     from gear.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_options)
+    check_task_method(cfg, task)
     precision = run_precision(cfg)
     run_dir = Path(cfg.output_dir or default_run_dir(cfg))
     trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
@@ -482,7 +483,12 @@ def gym(
 @app.command()
 def compare(
     methods: Annotated[
-        list[str], typer.Option(help="Credit methods to compare (repeat the option).")
+        list[str],
+        typer.Option(
+            help="Arms to compare (repeat the option): a credit method, or "
+            "'[name=]method@key=value,...' with the config keys that arm alone sets "
+            "(e.g. 'lead=gear_token@kl_estimator=k1').",
+        ),
     ] = ["grpo", "gear"],  # noqa: B006
     seeds: Annotated[list[int], typer.Option(help="Seeds (repeat the option).")] = [0, 1, 2],  # noqa: B006
     config: Annotated[
@@ -493,7 +499,9 @@ def compare(
     ] = None,
     task: Annotated[str | None, typer.Option(help="arithmetic | gsm8k | bfcl | tools")] = None,
     steps: Annotated[int | None, typer.Option(help="Steps per run (same for all).")] = None,
-    baseline: Annotated[str, typer.Option(help="The method the others are compared to.")] = "grpo",
+    baseline: Annotated[
+        str, typer.Option(help="The arm (its name) the others are compared to.")
+    ] = "grpo",
     effect: Annotated[
         float, typer.Option(help="The gain on the learning metric the study is planned for.")
     ] = 0.05,
@@ -536,27 +544,30 @@ def compare(
     named = dict(steps=steps, model=model, task=task)
     base = _overrides(set_, **named)
     try:
-        first = resolve_config(config, {**base, "credit_method": baseline, "seed": seeds[0]})
-        for method in methods:  # every arm's config checked before anything is written
-            cfg = resolve_config(config, {**base, "credit_method": method, "seed": seeds[0]})
-            study.check_config(cfg, out / study.run_name(method, seeds[0]))
+        arms = study.parse_arms(methods)
+        if baseline not in arms:
+            raise ValueError(f"--baseline {baseline}: not one of the arms {list(arms)}")
+        first = resolve_config(config, {**base, **arms[baseline], "seed": seeds[0]})
+        for arm, values in arms.items():  # every arm's config checked before anything is written
+            cfg = resolve_config(config, {**base, **values, "seed": seeds[0]})
+            study.check_config(cfg, out / study.run_name(arm, seeds[0]))
         rule = study.make_rule(
             methods, baseline, seeds, first, config=config, overrides=base, effect=effect
         )
         rule_hash = study.fix_rule(out, rule, amend=amend_rule)
     except (ValueError, NotImplementedError) as e:
         _fail(str(e))
-    for method in methods:
+    for arm, arm_values in arms.items():
         for seed in seeds:
-            run_dir = out / study.run_name(method, seed)
+            run_dir = out / study.run_name(arm, seed)
             if study.run_record(run_dir) is not None:
                 console.print(f"[dim]{run_dir.name}: done, skipped[/]")
                 continue
-            console.rule(f"{method} seed {seed}")
+            console.rule(f"{arm} seed {seed}")
             study.mark_run(run_dir, rule_hash)
             study.share_eval_before(out, run_dir, seed)
             try:
-                values = {**base, "credit_method": method, "seed": seed}
+                values = {**base, **arm_values, "seed": seed}
                 if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
                     cfg = resume_config(run_dir, values, labels=_labels(**named))
                 else:

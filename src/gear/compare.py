@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,15 +62,65 @@ def metric_of(cfg: Any) -> tuple[str, str]:
     )
 
 
+#: an arm's name: a run directory's prefix (`<name>-seed<s>`)
+ARM_NAME = re.compile(r"[A-Za-z0-9_.+=]+")
+
+
+def parse_arm(spec: str) -> tuple[str, dict[str, Any]]:
+    """One `--methods` value, `[name=]method[@key=value,...]`, -> (arm name, the config values
+    its runs set: `credit_method` and each key, any key `--set` takes).
+
+    `gear_token@kl_estimator=k1` is the arm `gear_token+kl_estimator=k1`; `lead=gear_token@
+    kl_estimator=k1` names it `lead`. A ValueError names what is malformed."""
+    from gear.config import parse_value
+
+    head, at, opts = spec.partition("@")
+    name, eq, method = head.rpartition("=")
+    if not eq:
+        name, method = "", head
+    values: dict[str, Any] = {"credit_method": method.strip()}
+    for item in filter(None, (x.strip() for x in opts.split(","))) if at else ():
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--methods {spec!r}: expected key=value after '@', got {item!r}")
+        if key.strip() in values:
+            raise ValueError(f"--methods {spec!r}: {key.strip()!r} is set twice")
+        values[key.strip()] = parse_value(value.strip())
+    if not values["credit_method"]:
+        raise ValueError(f"--methods {spec!r}: no credit method ([name=]method[@key=value,...])")
+    if at and not opts.strip():
+        raise ValueError(f"--methods {spec!r}: nothing after '@' (key=value,...)")
+    name = name.strip() or spec.strip().replace("@", "+").replace(",", "+")
+    if not ARM_NAME.fullmatch(name) or "-seed" in name:
+        raise ValueError(
+            f"--methods {spec!r}: the arm's name {name!r} names its run directories: letters, "
+            "digits and _ . + = only, without '-seed' (name it: --methods 'NAME=method@key=value')"
+        )
+    return name, values
+
+
+def parse_arms(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`parse_arm` of each `--methods` value, in order: arm name -> its config values. A
+    ValueError for two arms of one name."""
+    arms: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, values = parse_arm(spec)
+        if name in arms:
+            raise ValueError(f"--methods: two arms are named {name!r}; each value once")
+        arms[name] = values
+    return arms
+
+
 def check_config(cfg: Any, run_dir: Path) -> None:
     """What `gear train` checks of a run's config before it loads a model (the task, the
     precision, the trainer's fields, LoRA), for every arm before the study's first run; writes
     nothing. A ValueError (or NotImplementedError) names what is wrong."""
-    from gear.config import run_precision, trainer_args
+    from gear.config import check_task_method, run_precision, trainer_args
     from gear.run import lora_config
     from gear.tasks import get_task
 
     task = get_task(cfg.task, **cfg.task_options)
+    check_task_method(cfg, task)
     trainer_args(cfg, Path(run_dir), hint_kind=task.hint_kind, precision=run_precision(cfg))
     lora_config(cfg)
 
@@ -87,8 +138,9 @@ def make_rule(
 ) -> dict[str, Any]:
     """The study's rule from the command that starts it; `cfg` is the baseline's resolved
     config (its metric and steps). A ValueError for a study that could not be decided."""
-    if baseline not in methods:
-        raise ValueError(f"--baseline {baseline}: not one of --methods {list(methods)}")
+    arms = parse_arms(methods)
+    if baseline not in arms:
+        raise ValueError(f"--baseline {baseline}: not one of the arms {list(arms)}")
     if len(methods) < 2:
         raise ValueError(f"--methods {list(methods)}: a comparison needs two methods or more")
     for name, values in (("--methods", methods), ("--seeds", seeds)):
@@ -103,8 +155,15 @@ def make_rule(
             "needs 2 steps or more"
         )
     metric, label = metric_of(cfg)
+    rule_arms = {}
+    if any(len(v) > 1 for v in arms.values()) or any(
+        a != v["credit_method"] for a, v in arms.items()
+    ):
+        # a study of named or optioned arms keeps what each arm sets (a plain study's rule.json
+        # is as before, so its hash and resumption are unchanged)
+        rule_arms = {"arm_settings": arms}
     return {
-        "arms": list(methods),
+        "arms": list(arms),
         "baseline": baseline,
         "metric": metric,
         "metric_label": label,
@@ -115,6 +174,7 @@ def make_rule(
         "gate_min_seeds": GATE_MIN_SEEDS,
         "config": config,
         "set": dict(overrides),
+        **rule_arms,
     }
 
 

@@ -507,3 +507,17 @@ def trainer_args(
     base.update(trainer)
     base["bf16"] = precision.bf16
     return GEARConfig(**base)
+
+
+def check_task_method(cfg: RunConfig, task: Any) -> None:
+    """What a run's credit method needs of its task, checked before any model loads: a step
+    checker for `first_error` (`Task.step_checker`). A ValueError names the task."""
+    method = cfg.trainer.get("credit_method", "gear")
+    if method == "first_error" and task.step_checker() is None:
+        levels = f" (levels {sorted(task.mix)})" if hasattr(task, "mix") else ""
+        raise ValueError(
+            f"credit_method first_error blames the first wrong step a step checker finds, and "
+            f"task {cfg.task!r}{levels} has none (tasks with one: arithmetic with only the "
+            f"multistep and chain levels, e.g. task_options.mix=chain:1); pick another method or "
+            f"another task"
+        )

@@ -132,6 +132,8 @@ def build_trainer(
         # OAR-G's answer span: the task's parser finds the answer, or its reference is appended
         answer_span=task.answer_span,
         reference_text=task.reference_text,
+        # first_error's blame: where the task's step checker places a failed row's first error
+        **({"step_checker": task.step_checker()} if args.credit_method == "first_error" else {}),
         **task.trainer_kwargs(),
     )
     atomic_checkpoints(trainer)
@@ -168,7 +170,13 @@ SUMMARY_TODO = (
 def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any) -> Path:
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.config import PRECISION_KEY, check_resume_steps, run_precision, trainer_args
+    from gear.config import (
+        PRECISION_KEY,
+        check_resume_steps,
+        check_task_method,
+        run_precision,
+        trainer_args,
+    )
     from gear.evaluate import EvalCallback, cached_eval_before, evaluate_now, store_eval_before
     from gear.run_callbacks import (
         MetricsFile,
@@ -190,6 +198,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         )
     # validate everything that can be wrong before anything is written
     task = get_task(cfg.task, **cfg.task_options)
+    check_task_method(cfg, task)
     precision = run_precision(cfg)
     args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
     peft_config = lora_config(cfg)

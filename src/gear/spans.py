@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from gear.credit.attribution import answer_span, with_fallback
 from gear.credit.params import CreditParams
+
+if TYPE_CHECKING:
+    from gear.tasks.steps import StepChecker
 
 #: a task's answer parser: completion text -> (start, end) characters of its final answer, or None
 LocateAnswer = Callable[[str], "tuple[int, int] | None"]
@@ -103,17 +106,56 @@ def answer_token_mask(
     """(B, T) bool: in each row, the tokens (of those `completion_mask` keeps) whose characters
     overlap the range `locate` finds in the row's text (`token_offsets`); none where it finds
     none or an empty one."""
+    return char_span_mask(
+        tokenizer, completion_ids, completion_mask, lambda i, text: locate(text), "answer parser"
+    )
+
+
+def error_token_mask(
+    tokenizer: Any,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    checker: StepChecker,
+    ground_truths: Sequence[Any],
+) -> Tensor:
+    """(B, T) bool: each row's tokens whose characters overlap its first wrong step, as the
+    step `checker` places it in the row's text given the row's ground truth (`first_error`);
+    none where it finds none."""
+    if len(ground_truths) != completion_ids.shape[0]:
+        raise ValueError(
+            f"step checker: expected {completion_ids.shape[0]} ground truths, got "
+            f"{len(ground_truths)}"
+        )
+    return char_span_mask(
+        tokenizer,
+        completion_ids,
+        completion_mask,
+        lambda i, text: checker(text, ground_truths[i]),
+        "step checker",
+    )
+
+
+def char_span_mask(
+    tokenizer: Any,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    locate: Callable[[int, str], tuple[int, int] | None],
+    what: str,
+) -> Tensor:
+    """(B, T) bool: in row i, the tokens (of those `completion_mask` keeps) whose characters
+    overlap `locate(i, text)` in the row's text as the reward reads it (`token_offsets`); none
+    where it gives None or an empty range. A range outside the text is an error naming `what`."""
     out = torch.zeros(completion_ids.shape, dtype=torch.bool)
     for i in range(completion_ids.shape[0]):
         cols = completion_mask[i].nonzero().flatten().tolist()
         text, offsets = token_offsets(tokenizer, completion_ids[i, cols].tolist())
-        found = locate(text)
+        found = locate(i, text)
         if found is None:
             continue
         start, end = found
         if not 0 <= start <= end <= len(text):
             raise ValueError(
-                f"the answer parser gave characters {found!r} of a {len(text)}-character "
+                f"the {what} gave characters {found!r} of a {len(text)}-character "
                 f"completion: expected 0 <= start <= end <= {len(text)} ({text!r})"
             )
         for col, (a, b) in zip(cols, offsets, strict=True):

@@ -151,6 +151,7 @@ def credit_details(
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
     answer_mask: Tensor | None = None,
+    error_mask: Tensor | None = None,
     params: CreditParams | None = None,
     scored: Tensor | None = None,
 ) -> CreditDetails:
@@ -168,6 +169,8 @@ def credit_details(
             `gear.credit.attribution`).
         answer_mask: (N, T) bool, the final answer's tokens in each completion (`oar_g`'s span,
             `gear.spans`); None: each row's last `params.oar_answer_len` valid tokens.
+        error_mask: (N, T) bool, the tokens of each row's first wrong step as a step checker
+            marks them (`first_error`; `gear.spans.error_masks`); no True where it found none.
         params: `CreditParams`; default GEAR with the spec's defaults.
         scored: (N,) bool, the rows whose signals were computed, or None for all. Unscored rows
             must have advantage 0 and the method must read only advantaged rows
@@ -186,6 +189,7 @@ def credit_details(
         "teacher_logprobs": teacher_logprobs,
         "contrast_kl": contrast_kl,
         "influence": influence,
+        "error_mask": None if error_mask is None else _as_float_mask(error_mask, response_mask),
     }
     if skipped is not None:  # unscored rows carry no signal: 0, never a fallback
         skipped = skipped.to(advantages.device)
@@ -222,6 +226,14 @@ def credit_details(
     return details
 
 
+def _as_float_mask(mask: Tensor, response_mask: Tensor) -> Tensor:
+    """A bool (or 0/1) (N, T) mask as float 0/1, checked like any mask, so it travels with the
+    float signals (skipped rows, fallback)."""
+    shape = tuple(response_mask.shape) if isinstance(response_mask, Tensor) else None
+    _check("error_mask", mask, shape or tuple(mask.shape), "bool")
+    return mask.to(torch.float32)
+
+
 def _skipped_rows(scored: Tensor | None, advantages: Tensor, params: CreditParams) -> Tensor | None:
     """(N,) bool rows left unscored, after checking that skipping them is exact; None: none."""
     if scored is None:
@@ -253,6 +265,7 @@ def token_advantages(
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
     answer_mask: Tensor | None = None,
+    error_mask: Tensor | None = None,
     params: CreditParams | None = None,
     scored: Tensor | None = None,
 ) -> Tensor:
@@ -268,6 +281,7 @@ def token_advantages(
         contrast_kl=contrast_kl,
         influence=influence,
         answer_mask=answer_mask,
+        error_mask=error_mask,
         params=params,
         scored=scored,
     ).token_advantages

@@ -30,7 +30,7 @@ from gear.credit.attribution import answer_span, masked_quantile, tokens_before
 if TYPE_CHECKING:
     from gear.credit.params import CreditParams
 
-SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "influence")
+SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "influence", "error_mask")
 #: which rows' signals a method reads: those with a non-zero advantage, or all of them
 ROWS = ("advantaged", "all")
 
@@ -45,6 +45,8 @@ class CreditInputs:
         kl, entropy, student_logprobs, teacher_logprobs: (N, T) float or None.
         influence: (N, T) float or None, a token's influence on the final answer (OAR-G,
             `gear.credit.attribution`).
+        error_mask: (N, T) float 0/1 or None, the tokens of each row's first wrong step as a
+            step checker marks them (`first_error`; all 0 where it found none).
         answer_mask: (N, T) bool or None, the final answer's tokens in the completion (OAR-G's
             span; None: each row's last `oar_answer_len` valid tokens).
         turn_starts: (N, T) bool or None.
@@ -57,6 +59,7 @@ class CreditInputs:
     student_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
     influence: Tensor | None = None
+    error_mask: Tensor | None = None
     answer_mask: Tensor | None = None
     turn_starts: Tensor | None = None
 
@@ -393,3 +396,17 @@ def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
     total = w.sum(dim=1, keepdim=True)  # >= 1 where n > 0: the row's largest s is >= tau
     w = w * (n / torch.where(n > 0, total, 1.0))
     return MethodOutput(weights=torch.where(scored, w, 1.0), source=s)
+
+
+@register_method("first_error", requires=("error_mask",), rows="advantaged")
+def first_error(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """Credit from a step checker (ours, issue 58; not the paper's): a failed row (A < 0) puts
+    its blame on the tokens of its first wrong step (`error_mask`), a_t = 1 there and 0 elsewhere,
+    through the sign-aware modulation and mass preservation of spec §2.7-2.9. A correct row, or
+    a failed row the checker could not place, has a_t = 0 everywhere: w = 1, GRPO's advantage.
+    With the default params these are the weights of issue 51's oracle; the credit gym's winning
+    positive control is the sharp form (`modulation='exp'`, `beta=5`, `w_min=0`, `w_max=100`)."""
+    assert x.error_mask is not None
+    failed = (x.advantages < 0)[:, None]
+    source = torch.where(x.valid & failed & (x.error_mask > 0), 1.0, 0.0).to(x.advantages.dtype)
+    return MethodOutput(weights=modulate(source, x, p), source=source)

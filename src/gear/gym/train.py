@@ -199,6 +199,9 @@ def credit(
             raise ValueError(f"arm {arm.name!r}: contrast=true needs the contrast teacher's logits")
         contrast_kl = signals(contrast_logits).kl
     kl = sig.kl
+    error_mask = None
+    if "error_mask" in params.required_signals:  # first_error: the checker's step, as the oracle
+        error_mask = task.step_mask(task.first_wrong_step(problems, completions))
     if arm.oracle:  # the first wrong step of failed rows only: a correct row stays plain GRPO
         wrong = task.step_mask(task.first_wrong_step(problems, completions)).float()
         kl = wrong * (advantages < 0).to(wrong.dtype)[:, None]
@@ -212,6 +215,7 @@ def credit(
         contrast_kl=contrast_kl,
         influence=influence,
         answer_mask=answer_mask,
+        error_mask=error_mask,
         params=params,
     )
 

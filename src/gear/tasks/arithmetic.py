@@ -31,8 +31,13 @@ from gear.tasks.base import (
     stable_fraction,
     to_number,
 )
+from gear.tasks.steps import StepChecker, first_wrong_equation_span
 
 LEVELS = ("1digit", "2digit", "multistep", "chain")
+STEP_LEVELS = (
+    "multistep",
+    "chain",
+)  # solved in several equations: a step checker can place an error
 CHAIN_STEPS = 3
 DEFAULT_MIX = {"1digit": 0.5, "2digit": 0.3, "multistep": 0.2}
 TEST_FRACTION = 0.2
@@ -143,3 +148,11 @@ class ArithmeticTask(Task):
     def answer_span(self, completion_text: str) -> tuple[int, int] | None:
         """Where `is_correct` reads the final number (`final_answer_span`)."""
         return final_answer_span(completion_text)
+
+    def step_checker(self) -> StepChecker | None:
+        """The first arithmetically wrong equation (`first_wrong_equation_span`) when every level
+        of the mix is solved in steps (`STEP_LEVELS`); None when a one-equation level is in it,
+        where the first wrong step would be the answer itself."""
+        if set(self.mix) <= set(STEP_LEVELS):
+            return first_wrong_equation_span
+        return None

@@ -7,6 +7,7 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -77,6 +78,13 @@ class Task:
         completion text, or None where there is none. OAR-G scores the log-probability of
         these characters' tokens (``credit_oar_span="answer"``, docs/spec.md); a row with None
         falls back to its last ``oar_answer_len`` tokens. Default: None (no answer parser)."""
+        return None
+
+    def step_checker(self) -> Callable[[str, Any], tuple[int, int] | None] | None:
+        """The task's step checker (`gear.tasks.steps.StepChecker`): `(completion_text,
+        ground_truth) -> (start, end)` characters of a completion's first wrong step, or None
+        where it finds none. `credit_method="first_error"` blames those tokens of a failed row.
+        Default: None, the task has none (that method is then refused before any work)."""
         return None
 
     def reference_text(self, answer: Any) -> str | None:

@@ -37,6 +37,7 @@ def batch_credit(
     influence: Tensor | None = None,
     answer_mask: Tensor | None = None,
     scored: Tensor | None = None,
+    error_mask: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
@@ -50,6 +51,8 @@ def batch_credit(
             span, `gear.spans`), or None.
         scored: (B,) bool, this process's rows whose signals were computed (the others have
             advantage 0: `scored_rows`), or None for all.
+        error_mask: (B, T) bool, each row's first wrong step as a step checker places it
+            (`first_error`), or None.
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
@@ -58,6 +61,7 @@ def batch_credit(
         "contrast_kl": getattr(signals, "contrast_kl", None),
         "influence": influence,
         "answer_mask": answer_mask,
+        "error_mask": error_mask,
     }
     world = accelerator.num_processes
     B, T = valid.shape
@@ -70,7 +74,7 @@ def batch_credit(
             else accelerator.gather(accelerator.pad_across_processes(v.float(), dim=1, pad_index=0))
             for k, v in inputs.items()
         }
-        for k in ("valid", "turn_starts", "answer_mask"):
+        for k in ("valid", "turn_starts", "answer_mask", "error_mask"):
             inputs[k] = None if inputs[k] is None else inputs[k].bool()
     details = credit_details(
         advantages, inputs.pop("valid"), **inputs, params=params, scored=scored

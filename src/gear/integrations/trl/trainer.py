@@ -69,8 +69,9 @@ from gear.integrations.trl.vllm_teacher import (
     teacher_sequences,
 )
 from gear.modeling import LogitConventions
-from gear.spans import LocateAnswer, answer_spans
+from gear.spans import LocateAnswer, answer_spans, error_token_mask
 from gear.tasks.base import final_answer_span
+from gear.tasks.steps import StepChecker
 from gear.teacher import TeacherPrompts, WrongAnswer, ground_truth_text, offset_answer
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [min, max): the range the tests run on
@@ -100,7 +101,11 @@ class GEARTrainer(GRPOTrainer):
     final answer lies (`credit_oar_span='answer'`; a task's `Task.answer_span`; default
     `gear.tasks.base.final_answer_span`: the last \\boxed{}, "Answer: N", else the last number),
     and `reference_text(answer) -> str | None`, the text appended for the `answer_column` value
-    (`credit_oar_span='reference'`; default the value as text).
+    (`credit_oar_span='reference'`; default the value as text). `credit_method='first_error'`
+    needs `step_checker(completion_text, ground_truth) -> (start, end) | None`: the characters
+    of a completion's first wrong step (`gear.tasks.steps.StepChecker`; a task's
+    `Task.step_checker`); the ground truth is the row's `ground_truth_column` value, or None
+    where the row has none.
     """
 
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "gear"]
@@ -134,6 +139,7 @@ class GEARTrainer(GRPOTrainer):
         wrong_answer: WrongAnswer | None = None,
         answer_span: LocateAnswer | None = None,
         reference_text: Callable[[Any], str | None] | None = None,
+        step_checker: StepChecker | None = None,
     ) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -151,6 +157,18 @@ class GEARTrainer(GRPOTrainer):
             raise ValueError(
                 f"teacher_model / teacher_processing_class: only used with teacher='frozen', "
                 f"got teacher={args.teacher!r}"
+            )
+        if args.credit_method == "first_error" and step_checker is None:
+            raise ValueError(
+                "credit_method='first_error' blames each failed row's first wrong step as a step "
+                "checker places it: pass step_checker=... to GEARTrainer, a callable "
+                "(completion_text, ground_truth) -> (start, end) characters or None "
+                "(gear.tasks.steps; `gear train` takes the task's own)"
+            )
+        if step_checker is not None and not callable(step_checker):
+            raise TypeError(
+                f"step_checker: expected a callable (completion_text, ground_truth) -> "
+                f"(start, end) | None, got {type(step_checker).__name__}"
             )
         if wrong_answer is not None and args.teacher_context != "contrast":
             raise ValueError(
@@ -223,7 +241,9 @@ class GEARTrainer(GRPOTrainer):
                 )
         self._gear_answer_span = answer_span or final_answer_span
         self._gear_reference_text = reference_text or ground_truth_text
-        self._needs_signals = self_distill or bool(set(requires) - {"influence"})
+        self._gear_step_checker = step_checker
+        # inputs without a model pass: OAR-G's influence has its own, a checker's mask needs none
+        self._needs_signals = self_distill or bool(set(requires) - {"influence", "error_mask"})
         self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
         if self._needs_signals and (shapers := sampling_shapers(args)):
             named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
@@ -378,9 +398,11 @@ class GEARTrainer(GRPOTrainer):
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
-        influence = answer_mask = None
+        influence = answer_mask = error_mask = None
         if self._needs_influence:
             influence, answer_mask = self._influence(inputs, output, valid, mode, stats, scored)
+        if "error_mask" in self.credit_params.required_signals:
+            error_mask = self._error_mask(inputs, output, valid, stats)
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
         details = self._credit(
@@ -391,6 +413,7 @@ class GEARTrainer(GRPOTrainer):
             influence,
             answer_mask=answer_mask,
             scored=scored,
+            error_mask=error_mask,
         )
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
@@ -570,6 +593,35 @@ class GEARTrainer(GRPOTrainer):
         stats["gear/time_influence"] = time.perf_counter() - t0
         return influence, spans.answer_mask
 
+    def _error_mask(
+        self,
+        inputs: list[dict[str, Any]],
+        output: dict[str, Any],
+        valid: Tensor,
+        stats: dict[str, float],
+    ) -> Tensor:
+        """(B, T) bool: each row's first wrong step in tokens, as the step checker places it in
+        the completion's text (`gear.spans.error_token_mask`), policy tokens only. Failed rows
+        (advantage < 0) it places are counted in `gear/first_error_placed`, those it cannot in
+        `gear/first_error_unplaced` (they keep GRPO's advantage); seconds in
+        `gear/time_step_checker`."""
+        t0 = time.perf_counter()
+        column = self.args.ground_truth_column
+        truths = self._gear_env_ground_truths or [row.get(column) for row in inputs]
+        mask = error_token_mask(
+            self._tokenizer,
+            output["completion_ids"],
+            output["completion_mask"],
+            self._gear_step_checker,  # type: ignore[arg-type]
+            truths,
+        ) & valid.to(output["completion_ids"].device)
+        failed = output["advantages"] < 0
+        placed = mask.any(dim=1).to(failed.device)
+        stats["gear/first_error_placed"] = float((failed & placed).sum())
+        stats["gear/first_error_unplaced"] = float((failed & ~placed).sum())
+        stats["gear/time_step_checker"] = time.perf_counter() - t0
+        return mask
+
     def _teacher_pass(
         self, ids: Tensor, mask: Tensor, output: dict[str, Any], batch_size: int
     ) -> Tensor | TeacherLogprobs:
@@ -622,6 +674,7 @@ class GEARTrainer(GRPOTrainer):
         influence: Tensor | None = None,
         answer_mask: Tensor | None = None,
         scored: Tensor | None = None,
+        error_mask: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
         return batch_credit(
@@ -634,6 +687,7 @@ class GEARTrainer(GRPOTrainer):
             influence,
             answer_mask,
             scored,
+            error_mask,
         )
 
     def _micro_batch(self, mode: str) -> int:

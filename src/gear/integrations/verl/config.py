@@ -338,6 +338,12 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
             f"algorithm.adv_estimator={estimator!r}: the verl integration computes no answer "
             "influence (OAR-G) yet; use TRL's GEARTrainer or the gym for this method"
         )
+    if "error_mask" in params.required_signals:
+        raise GearConfigError(
+            f"algorithm.adv_estimator={estimator!r}: first_error reads a step checker's mask, "
+            "which the verl integration does not pass yet (a checker runs on decoded text in "
+            "the driver); use TRL's GEARTrainer, `gear train` or the gym for this method"
+        )
     if params.contrast and "kl" not in params.required_signals:
         raise GearConfigError(
             f"gear.teacher_context: 'contrast' subtracts a second teacher's KL, and "
