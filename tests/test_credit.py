@@ -443,6 +443,7 @@ def test_every_method_runs_and_zeroes_invalid_tokens():
             student_logprobs=-kl.float(),
             teacher_logprobs=-ent.float(),
             influence=kl.float(),
+            error_mask=kl > kl.median(),
             params=CreditParams(method=name),
         )
         assert out.dtype == torch.float32 and out.shape == valid.shape

@@ -196,8 +196,13 @@ def test_gear_compare_trains_arms_with_their_own_settings(tiny_dir, tmp_path):
             "--methods", "oracle=first_error@credit_modulation=exp,credit_beta=5",
             "--seeds", "0", "--seeds", "1", "--steps", "2", "--out", str(out),
             "--model", str(tiny_dir), "--set", "task_options={mix: 'chain:1'}", *TINY]  # fmt: skip
+    first = CliRunner().invoke(app, [*args, "--only", "oracle"])  # one arm now, the rule whole
+    assert first.exit_code == 0, first.output
+    assert (out / "oracle-seed1" / "summary.json").is_file() and not (out / "grpo-seed0").exists()
+    assert json.loads((out / "compare.json").read_text())["missing"]["grpo"] == [0, 1]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
+    assert result.output.count("skipped") == 2
     rule = json.loads((out / "rule.json").read_text())
     assert rule["arms"] == ["grpo", "oracle"]
     assert rule["arm_settings"]["oracle"] == {

@@ -513,6 +513,15 @@ def compare(
             "needed to detect --effect at 80% power.",
         ),
     ] = False,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--only",
+            help="Train only these arms now (repeat the option); the rule keeps every arm and "
+            "the report lists the others as missing. A gated second stage, or two processes "
+            "sharing one study (each its own --only), use it.",
+        ),
+    ] = None,
     amend_rule: Annotated[
         bool,
         typer.Option(
@@ -554,11 +563,17 @@ def compare(
         rule = study.make_rule(
             methods, baseline, seeds, first, config=config, overrides=base, effect=effect
         )
+        unknown = sorted(set(only or ()) - set(arms))
+        if unknown:
+            raise ValueError(f"--only {unknown}: not among the arms {list(arms)}")
         rule_hash = study.fix_rule(out, rule, amend=amend_rule)
     except (ValueError, NotImplementedError) as e:
         _fail(str(e))
-    for arm, arm_values in arms.items():
-        for seed in seeds:
+    # seed by seed: a study stopped early has complete pairs
+    for seed in seeds:
+        for arm, arm_values in arms.items():
+            if only and arm not in only:
+                continue
             run_dir = out / study.run_name(arm, seed)
             if study.run_record(run_dir) is not None:
                 console.print(f"[dim]{run_dir.name}: done, skipped[/]")
