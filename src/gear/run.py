@@ -178,6 +178,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         trainer_args,
     )
     from gear.evaluate import EvalCallback, cached_eval_before, evaluate_now, store_eval_before
+    from gear.models import model_identity
     from gear.run_callbacks import (
         MetricsFile,
         ProgressCallback,
@@ -224,6 +225,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     summary.update(
         task=cfg.task,
         model=cfg.model,
+        # the weights the run started from (a local checkpoint's content hash): runs of a study
+        # that start from one checkpoint show it
+        model_identity=model_identity(cfg.model),
         method=args.credit_method,
         loss_mode=args.loss_mode,
         steps=args.max_steps,
