@@ -67,6 +67,14 @@ def test_a_forward_that_raises_leaves_the_weights_restored(tok):
     handle.remove()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(m._disable_adapters for m in model.modules() if hasattr(m, "_disable_adapters"))
+    # raised inside a LoRA layer's own forward: restored at once, not only when the block ends
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    handle = base.register_forward_hook(lambda *a: 1 / 0)
+    with merged_lora(model):
+        with pytest.raises(ZeroDivisionError):
+            _hidden(model, torch.tensor([[5, 6, 7]]))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    handle.remove()
 
 
 def test_refuses_gradients_and_skips_what_it_cannot_merge(tok):

@@ -139,10 +139,10 @@ def merged_lora(model: nn.Module) -> Iterator[int]:
         handles.append(model.register_forward_hook(called, always_call=True))
         for layer in layers:
             handles.append(layer.register_forward_pre_hook(before))
-            handles.append(layer.register_forward_hook(after))
+            handles.append(layer.register_forward_hook(after, always_call=True))
         yield len(layers)
     finally:
         for handle in handles:
             handle.remove()
-        for layer, original in swapped.items():  # a forward that raised left these merged
+        for layer, original in swapped.items():  # a safety net: `after` runs even on a raise
             _restore(layer, *original)
