@@ -1,7 +1,7 @@
 """The fold kernel (`gear.credit.fold`, the GPU path of `signals_from_hidden`) equals the chunk
 kernel, the CPU's, for every estimator it computes, temperature, softcap, bias, a separate
-teacher head, a mask and tiles smaller than the vocabulary; the Triton kernel too, under
-`TRITON_INTERPRET=1` where Triton is installed."""
+teacher head, a mask, tiles smaller than the vocabulary, strided token ids and an empty batch;
+the Triton kernel too, under `TRITON_INTERPRET=1` where Triton is installed."""
 
 from __future__ import annotations
 
@@ -92,6 +92,31 @@ def test_tiles_smaller_than_vocabulary_and_tokens_fold_the_same():
         torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
 
 
+def _check_strided_ids_and_empty_batch():
+    """The fold equals the chunk kernel on (N, T) token ids given as a strided view (every other
+    column of a wider tensor: the Triton kernel reads ids by row index) and on a batch of no
+    rows, with a teacher and without."""
+    hs, ht, w, _, b, _, ids, mask = _case(2, False, True)
+    wide = torch.zeros(N, 2 * T, dtype=ids.dtype)
+    wide[:, ::2] = ids
+    strided = wide[:, ::2]
+    for estimator in FOLD_ESTIMATORS:
+        for m in (None, mask):
+            kw = dict(lm_head_bias=b, estimator=estimator, mask=m)
+            chunk = signals_from_hidden(hs, ht, w, ids, kernel="chunk", **kw)
+            _assert_equal(chunk, signals_from_hidden(hs, ht, w, strided, kernel="fold", **kw))
+    for teacher in (ht[:0], None):
+        chunk = signals_from_hidden(hs[:0], teacher, w, ids[:0], kernel="chunk", lm_head_bias=b)
+        fold = signals_from_hidden(hs[:0], teacher, w, ids[:0], kernel="fold", lm_head_bias=b)
+        assert fold.entropy.shape == (0, T)
+        _assert_equal(chunk, fold)
+
+
+def test_strided_token_ids_and_an_empty_batch_fold_like_the_chunk_kernel():
+    """The torch fold here; the Triton kernel in the interpreter test below."""
+    _check_strided_ids_and_empty_batch()
+
+
 def test_bf16_inputs_fold_in_float32():
     """bf16 hidden states and head (a bf16 run): the fold agrees with the chunk kernel on the
     same bf16 inputs to bf16 rounding of the logits (the chunk kernel rounds them; the fold
@@ -137,6 +162,7 @@ def test_triton_kernel_equals_chunk_kernel_interpreted():
         "    c = fold.fold_signals(*args, use_triton=False, **kw)\n"
         "    for x, y in zip(a, c):\n"
         "        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)\n"
+        "t._check_strided_ids_and_empty_batch()\n"
         "print('ok')\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -188,7 +188,7 @@ def fold_signals(
         student_hidden: (M, H); teacher_hidden: (M, H_t) or None (student only).
         student_weight: (V, H), student_bias: (V,) or None; teacher_weight (V, H_t) /
             teacher_bias: the teacher's head (used only with teacher_hidden).
-        token_ids: (M,) long, the sampled tokens.
+        token_ids: (M,) long, the sampled tokens (any strides).
         temperature, softcap: as in `gear.credit.signals.signals_from_hidden`.
         estimator: "full" | "k1" | "k3".
         token_tile, vocab_tile: the tile of logits formed at a time, (token_tile, vocab_tile)
@@ -205,6 +205,7 @@ def fold_signals(
         use_triton = triton_available(device)
     M = student_hidden.shape[0]
     V = student_weight.shape[0]
+    token_ids = token_ids.contiguous()  # the Triton kernel reads token `row` at ids_ptr + row
     teacher = teacher_hidden is not None
     inv_t = 1.0 / temperature
     out = torch.zeros(4, M, dtype=torch.float32, device=device)

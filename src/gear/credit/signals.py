@@ -414,7 +414,8 @@ def _fold_signals(
 
     N, T, H = student_hidden.shape
     hs = student_hidden.reshape(N * T, H)
-    ht = None if teacher_hidden is None else teacher_hidden.reshape(N * T, -1)
+    # H_t given, not -1: reshape cannot infer it for a batch of no rows
+    ht = None if teacher_hidden is None else teacher_hidden.reshape(N * T, teacher_hidden.shape[2])
     ids = token_ids.reshape(-1)
     positions = _positions(mask, (N, T))
     if positions is not None:

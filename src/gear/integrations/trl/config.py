@@ -188,8 +188,10 @@ class GEARConfig(GRPOConfig):
             "help": "With a PEFT LoRA policy, run the no-grad passes (teacher, contrast, the "
             "student forward where one runs) with each LoRA linear's weights merged for its own "
             "forward (`gear.modeling.lora.merged_lora`): a plain forward's cost instead of "
-            "~1.3x, the same states to float rounding, the weights untouched. Quantised bases, "
-            "DoRA and sharded (ZeRO-3 / FSDP) weights run unmerged regardless."
+            "~1.3x, the same states to float rounding, the weights untouched. What cannot "
+            "merge exactly runs unmerged: quantised bases, DoRA and the other LoRA variants, "
+            "`lora_bias` over a base without a bias, LoRA dropout in training mode, sharded "
+            "(ZeRO-3 / FSDP) weights."
         },
     )
     skip_zero_advantage_rows: bool = field(
