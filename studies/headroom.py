@@ -3,6 +3,11 @@ fixed before any run: docs/evidence/2026-11-28-headroom-rule.md. Run from the re
 every stage resumes where it stopped.
 
     python -m studies.headroom checkpoint          # issue 51's seed-0 SFT checkpoint, rebuilt
+    python -m studies.headroom pilot --arm grpo    # the pilot, one process per arm (resumable)
+    python -m studies.headroom pilot --arm oracle
+    python -m studies.headroom plan                # n from the pilot, by the rule's formula
+    python -m studies.headroom study --arm grpo    # stage A (then stage B: --arm lead / gear)
+    python -m studies.headroom report              # -> studies/results/headroom.json
     python -m studies.headroom status
 
 The checkpoint is issue 51's stage 0 (`studies.after_format`: LoRA SFT on chain worked solutions)
@@ -16,12 +21,19 @@ hash go to runs/headroom/ (not committed) and studies/results/headroom_runs/.
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gear.compare import GATE_MIN_SEEDS, run_record
 from gear.evidence import RecordStore, head_commit
 from gear.models import content_hash
 
@@ -30,6 +42,26 @@ RESULTS = ROOT / "studies" / "results"
 RECORDS = RESULTS / "headroom_runs"
 RUNS = ROOT / "runs" / "headroom"
 RULE = "docs/evidence/2026-11-28-headroom-rule.md"
+OUT = RESULTS / "headroom.json"
+COPIES = RESULTS / "headroom"  # the studies' rule.json / compare.* as gear compare wrote them
+PILOT, STUDY = RUNS / "pilot", RUNS / "study"
+
+# ------------------------------------------------------------------------------ the rule's numbers
+RECIPE = [
+    "--task", "arithmetic", "--set", "task_options={mix: 'chain:1'}",
+    "--set", "max_completion_length=96", "--set", "eval_max_new_tokens=96", "--set", "bf16=false",
+]  # fmt: skip
+SHARP = "credit_modulation=exp,credit_beta=5,credit_w_min=0,credit_w_max=100"
+ARMS = {  # name -> gear compare's --methods value
+    "grpo": "grpo",
+    "oracle": f"oracle=first_error@{SHARP}",
+    "lead": "lead=gear_token@kl_estimator=k1",
+    "gear": "gear",
+}
+STAGE_A, STAGE_B = ("grpo", "oracle"), ("lead", "gear")
+PILOT_SEEDS = (100, 101, 102)
+EFFECT, ALPHA, BUDGET, STAGE_B_COST = 0.05, 0.05, 24.0, 4.2
+LONGER_IF_GRPO_GAINS_BELOW = 0.02  # the pilot's GRPO mean gain under which steps double
 
 
 def records() -> RecordStore:
@@ -99,6 +131,237 @@ def checkpoint(seed: int = 0) -> dict[str, Any]:
     return record
 
 
+# ------------------------------------------------------------------------------ runs
+def steps() -> int:
+    """16, or 32 where the rule's one recipe change was made (the `longer` record)."""
+    return 32 if records().get("longer") else 16
+
+
+def compare_command(out: Path, arms: tuple[str, ...], seeds: list[int], only: str) -> list[str]:
+    return [
+        sys.executable, "-m", "gear.cli", "compare",
+        "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE,
+        "--steps", str(steps()), *(x for a in arms for x in ("--methods", ARMS[a])),
+        *(x for s in seeds for x in ("--seeds", str(s))), "--effect", str(EFFECT),
+        "--out", str(out.relative_to(ROOT)), "--only", only,
+    ]  # fmt: skip
+
+
+def launch(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, threads: int) -> None:
+    """One `gear compare` process training arm `only` of the study in `out` (one thread by
+    default: two processes share two cores), logged to runs/headroom/<study>-<arm>.log; each
+    piece (start, end, wall seconds, exit code, commit, CPU) is kept in the records."""
+    if not (checkpoint_dir(0) / "adapter_config.json").is_file():
+        raise SystemExit("the checkpoint first: python -m studies.headroom checkpoint")
+    cmd = compare_command(out, arms, seeds, only)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    log = RUNS / f"{out.name}-{only}.log"
+    piece = {"study": out.name, "arm": only, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+             "commit": head_commit(ROOT), "threads": threads,
+             "capability": torch.backends.cpu.get_cpu_capability(), "command": cmd[2:]}  # fmt: skip
+    # runs this piece continues (begun by an earlier, stopped piece): listed as resumed
+    piece["resumes"] = sorted(
+        d.name
+        for d in out.glob(f"{only}-seed*")
+        if (d / "config.yaml").is_file() and run_record(d) is None
+    )
+    t0 = time.time()
+    with log.open("a") as fh:
+        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    piece |= {"wall_s": time.time() - t0, "exit": rc}
+    pieces = records().get("pieces") or []
+    records().put("pieces", [*pieces, piece])
+    print(f"{out.name} {only}: exit {rc} after {piece['wall_s']:.0f} s (log {log})", flush=True)
+
+
+def run_seconds(run_dir: Path) -> float:
+    """A finished run's wall seconds: training plus its evaluations (metrics and summary)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = sum(
+        float(summary.get(k, {}).get("seconds", 0) or 0) for k in ("eval_before", "eval_after")
+    )
+    return float(summary.get("train_seconds", 0.0)) + evals
+
+
+def finished(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """Arm -> seed -> the run's record (`gear.compare.run_record`, with its summary's CPU
+    capability, wall seconds and model identity) for every finished run in `out`."""
+    from gear import compare as study
+
+    rule = study.read_rule(out)
+    if rule is None:
+        return {}
+    resumed = {
+        name
+        for p in records().get("pieces") or []
+        if p.get("study") == out.name
+        for name in p.get("resumes", [])
+    }
+    out_runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for arm in rule["arms"]:
+        for seed in rule["seeds"]:
+            run_dir = out / study.run_name(arm, seed)
+            r = study.run_record(run_dir)
+            if r is None:
+                continue
+            summary = json.loads((run_dir / "summary.json").read_text())
+            r |= {"precision": summary.get("precision"), "seconds": run_seconds(run_dir),
+                  "model_identity": summary.get("model_identity"),
+                  "resumed": run_dir.name in resumed}  # fmt: skip
+            out_runs.setdefault(arm, {})[seed] = r
+    return out_runs
+
+
+def metric(r: dict[str, Any], when: str = "after") -> float:
+    return float(r[when]["mean_reward"])
+
+
+def core_hours() -> float:
+    """Core-hours so far: every piece's wall seconds × its threads, and the checkpoint's."""
+    ck = records().get("checkpoint-seed0") or {}
+    total = ck.get("wall_s", 0.0) * ck.get("threads", 1)
+    for p in records().get("pieces") or []:
+        total += p.get("wall_s", 0.0) * p.get("threads", 1)
+    return total / 3600
+
+
+def plan() -> dict[str, Any]:
+    """The rule's n from the finished pilot: n80 at +0.05 from the pilot's paired SD, the
+    budget's cap, n, the MDE at n, and the 32-step clause on GRPO's gain. Kept as `plan`."""
+    from gear.evidence import n_for_power, paired, power_at
+
+    runs = finished(PILOT)
+    pairs = [s for s in PILOT_SEEDS if s in runs.get("grpo", {}) and s in runs.get("oracle", {})]
+    if len(pairs) < len(PILOT_SEEDS):
+        raise SystemExit(f"the pilot has {len(pairs)} of {len(PILOT_SEEDS)} pairs finished")
+    grpo = [runs["grpo"][s] for s in pairs]
+    oracle = [runs["oracle"][s] for s in pairs]
+    diff = paired([metric(r) for r in oracle], [metric(r) for r in grpo])
+    gain = paired([metric(r) for r in grpo], [metric(r, "before") for r in grpo])
+    per_run = sum(r["seconds"] for r in grpo + oracle) / len(grpo + oracle) / 3600  # 1 thread
+    used = core_hours()
+    n80 = n_for_power(EFFECT, diff["sd"], alpha=ALPHA) if diff["sd"] > 0 else 3
+    cap = math.floor((BUDGET - used) / (STAGE_B_COST * per_run))
+    n = max(3, min(n80 or 10**6, cap))
+    mde = next(
+        (e / 1000 for e in range(1, 2001) if power_at(e / 1000, diff["sd"], n, ALPHA) >= 0.8),
+        None,
+    )
+    out = {"pilot_seeds": pairs, "oracle_minus_grpo": diff, "grpo_gain": gain,
+           "core_hours_per_run": per_run, "used_core_hours": used, "n80": n80, "n_cap": cap,
+           "n": n, "mde_at_n": mde, "longer": gain["mean"] < LONGER_IF_GRPO_GAINS_BELOW,
+           "steps": steps()}  # fmt: skip
+    records().put("plan", out)
+    return out
+
+
+def bootstrap_share(x: list[float], oracle: list[float], seed: int = 0, n: int = 2000) -> dict:
+    """mean(x) / mean(oracle) over seeds (each a difference to grpo, paired by seed) and its
+    paired bootstrap 95% interval (seeds resampled together; resamples whose oracle mean is 0
+    are dropped and counted)."""
+    import random
+
+    rng = random.Random(seed)
+    k, shares, dropped = len(x), [], 0
+    for _ in range(n):
+        idx = [rng.randrange(k) for _ in range(k)]
+        den = sum(oracle[i] for i in idx)
+        if den == 0:
+            dropped += 1
+            continue
+        shares.append(sum(x[i] for i in idx) / den)
+    shares.sort()
+    den = sum(oracle)
+    point = sum(x) / den if den else None
+    ci = (
+        [shares[int(0.025 * len(shares))], shares[int(0.975 * len(shares)) - 1]] if shares else None
+    )
+    return {"share": point, "ci95": ci, "resamples": n, "dropped": dropped}
+
+
+def stage_a(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dict[str, Any]:
+    """The gate (gear compare's, on grpo) and headroom: oracle - grpo at 95%."""
+    from gear.evidence import compare_arms, paired
+
+    both = [s for s in seeds if s in runs.get("grpo", {}) and s in runs.get("oracle", {})]
+    analysis = compare_arms(
+        {a: [runs[a][s] | {"seed": s} for s in both] for a in STAGE_A},
+        "grpo",
+        metric="mean_reward",
+        secondary="pass@1",
+        alpha=ALPHA,
+        effect=EFFECT,
+        gate_min_seeds=GATE_MIN_SEEDS,  # gear compare's gate, as the rule says
+    )
+    diff = paired(
+        [metric(runs["oracle"][s]) for s in both], [metric(runs["grpo"][s]) for s in both]
+    )
+    headroom = analysis["gate"]["passed"] and len(both) >= 2 and diff["ci"][0] > 0
+    return {"seeds": both, "missing": sorted(set(seeds) - set(both)), "gate": analysis["gate"],
+            "oracle_minus_grpo": diff, "headroom": bool(headroom)}  # fmt: skip
+
+
+def stage_b(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dict[str, Any]:
+    """Each of lead and gear - grpo at Bonferroni over two (97.5%), and its share of the oracle's
+    gain with a paired bootstrap interval."""
+    from gear.evidence import bonferroni, paired
+
+    level = bonferroni(len(STAGE_B), ALPHA)
+    out: dict[str, Any] = {"level": level}
+    for arm in STAGE_B:
+        both = [s for s in seeds if all(s in runs.get(a, {}) for a in ("grpo", "oracle", arm))]
+        if len(both) < 2:
+            out[arm] = {"seeds": both, "missing": sorted(set(seeds) - set(both))}
+            continue
+        x = [metric(runs[arm][s]) - metric(runs["grpo"][s]) for s in both]
+        o = [metric(runs["oracle"][s]) - metric(runs["grpo"][s]) for s in both]
+        diff = paired([metric(runs[arm][s]) for s in both], [metric(runs["grpo"][s]) for s in both],
+                      level)  # fmt: skip
+        out[arm] = {"seeds": both, "missing": sorted(set(seeds) - set(both)),
+                    f"{arm}_minus_grpo": diff, "wins": diff["ci"][0] > 0,
+                    "share_of_oracle_gain": bootstrap_share(x, o)}  # fmt: skip
+    return out
+
+
+def report() -> dict[str, Any]:
+    """studies/results/headroom.json from what has run: the checkpoint, the pilot and its plan,
+    stage A (gate, headroom), stage B or the rule's stop, every run and piece, the budget; the
+    studies' rule.json and compare.* are copied into studies/results/headroom/."""
+    out: dict[str, Any] = {"rule": RULE, "checkpoint": records().get("checkpoint-seed0"),
+                           "plan": records().get("plan"), "longer": records().get("longer")}  # fmt: skip
+    for name, path in (("pilot", PILOT), ("study", STUDY)):
+        runs = finished(path)
+        out[f"{name}_runs"] = {
+            a: {str(s): {k: r.get(k) for k in ("before", "after", "precision", "seconds",
+                                               "model_identity", "resumed", "rule_sha256")}
+                for s, r in rs.items()}
+            for a, rs in runs.items()
+        }  # fmt: skip
+        (COPIES / name).mkdir(parents=True, exist_ok=True)
+        for f in ("rule.json", "compare.json", "compare.md", "compare.png"):
+            if (path / f).is_file():
+                shutil.copyfile(path / f, COPIES / name / f)
+    plan_ = out["plan"]
+    if plan_ is not None:
+        seeds = list(range(plan_["n"]))
+        runs = finished(STUDY)
+        a = stage_a(runs, seeds)
+        out["stage_a"] = a
+        complete = not a["missing"]
+        if complete and not a["headroom"]:
+            out["stop"] = ("the gate failed: GRPO does not learn here" if not a["gate"]["passed"]
+                           else "no headroom: the rule stops after stage A")  # fmt: skip
+        elif complete:
+            out["stage_b"] = stage_b(runs, seeds)
+    out["pieces"] = records().get("pieces") or []
+    out["core_hours"] = {"used": round(core_hours(), 2), "limit": BUDGET}
+    out["capability"] = torch.backends.cpu.get_cpu_capability()
+    from gear.evidence import write_json
+
+    write_json(OUT, out)
+    return out
+
+
 def status() -> None:
     for name in records().names("checkpoint-seed*"):
         r = records().get(name)
@@ -107,11 +370,24 @@ def status() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["checkpoint", "status"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("stage", choices=["checkpoint", "pilot", "plan", "study", "report", "status"])
+    ap.add_argument("--seed", type=int, default=0, help="checkpoint: the SFT seed")
+    ap.add_argument("--arm", choices=sorted(ARMS), help="pilot/study: the arm this process trains")
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     if a.stage == "checkpoint":
         checkpoint(a.seed)
+    elif a.stage == "pilot":
+        launch(PILOT, STAGE_A, list(PILOT_SEEDS), a.arm or "grpo", a.threads)
+    elif a.stage == "plan":
+        print(json.dumps(plan(), indent=1))
+    elif a.stage == "study":
+        kept = records().get("plan")
+        if kept is None:
+            raise SystemExit("the plan first: python -m studies.headroom plan")
+        launch(STUDY, (*STAGE_A, *STAGE_B), list(range(kept["n"])), a.arm or "grpo", a.threads)
+    elif a.stage == "report":
+        print(json.dumps(report(), indent=1)[:4000])
     else:
         status()
 

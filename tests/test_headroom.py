@@ -1,0 +1,55 @@
+"""Issue 58's analysis (`studies.headroom`) on synthetic runs: the gate and headroom of stage A,
+stage B's Bonferroni intervals and share of the oracle's gain, the rule's n formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from gear.evidence import paired
+from studies import headroom
+
+
+def _ci95(r: dict, arm: str) -> list[float]:
+    seeds = sorted(r[arm])
+    return paired([r[arm][s]["after"]["mean_reward"] for s in seeds],
+                  [r["grpo"][s]["after"]["mean_reward"] for s in seeds])["ci"]  # fmt: skip
+
+
+def run(after: float, before: float = 0.40) -> dict:
+    return {"before": {"mean_reward": before, "pass@1": before},
+            "after": {"mean_reward": after, "pass@1": after}, "reward": [0.3, 0.4, 0.5]}  # fmt: skip
+
+
+GRPO = [0.50, 0.52, 0.47, 0.55, 0.49]
+
+
+def runs(**deltas: list[float]) -> dict:
+    out = {"grpo": {s: run(a) for s, a in enumerate(GRPO)}}
+    for arm, ds in deltas.items():
+        out[arm] = {s: run(GRPO[s] + d) for s, d in enumerate(ds)}
+    return out
+
+
+def test_headroom_needs_the_oracles_interval_above_zero_and_the_gate():
+    seeds = list(range(5))
+    win = headroom.stage_a(runs(oracle=[0.08, 0.10, 0.09, 0.11, 0.07]), seeds)
+    assert win["gate"]["passed"] and win["headroom"] and win["missing"] == []
+    null = headroom.stage_a(runs(oracle=[0.05, -0.06, 0.02, -0.01, 0.0]), seeds)
+    assert null["gate"]["passed"] and not null["headroom"]
+    assert null["oracle_minus_grpo"]["ci"][0] < 0 < null["oracle_minus_grpo"]["ci"][1]
+    partial = headroom.stage_a(runs(oracle=[0.08, 0.10, 0.09]), seeds)
+    assert partial["seeds"] == [0, 1, 2] and partial["missing"] == [3, 4]
+
+
+def test_stage_b_reads_each_arm_at_bonferroni_and_its_share_of_the_oracles_gain():
+    r = runs(
+        oracle=[0.10] * 5, lead=[0.04, 0.06, 0.05, 0.05, 0.05], gear=[0.0, 0.01, -0.01, 0.0, 0.0]
+    )
+    b = headroom.stage_b(r, list(range(5)))
+    assert b["level"] == pytest.approx(0.975)
+    assert b["lead"]["wins"] and not b["gear"]["wins"]
+    share = b["lead"]["share_of_oracle_gain"]
+    assert share["share"] == pytest.approx(0.5) and share["ci95"][0] <= 0.5 <= share["ci95"][1]
+    lo, hi = b["lead"]["lead_minus_grpo"]["ci"]
+    assert 0 < lo < 0.05 < hi  # a 97.5% interval: wider than the 95% one
+    assert (hi - lo) > (lambda c: c[1] - c[0])(_ci95(r, "lead"))
