@@ -174,15 +174,6 @@ def launch(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, thread
     print(f"{out.name} {only}: exit {rc} after {piece['wall_s']:.0f} s (log {log})", flush=True)
 
 
-def run_seconds(run_dir: Path) -> float:
-    """A finished run's wall seconds: training plus its evaluations (metrics and summary)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    evals = sum(
-        float(summary.get(k, {}).get("seconds", 0) or 0) for k in ("eval_before", "eval_after")
-    )
-    return float(summary.get("train_seconds", 0.0)) + evals
-
-
 def finished(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
     """Arm -> seed -> the run's record (`gear.compare.run_record`, with its summary's CPU
     capability, wall seconds and model identity) for every finished run in `out`."""
@@ -205,7 +196,8 @@ def finished(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
             if r is None:
                 continue
             summary = json.loads((run_dir / "summary.json").read_text())
-            r |= {"precision": summary.get("precision"), "seconds": run_seconds(run_dir),
+            r |= {"precision": summary.get("precision"),
+                  "train_seconds": summary.get("train_seconds"),
                   "model_identity": summary.get("model_identity"),
                   "resumed": run_dir.name in resumed}  # fmt: skip
             out_runs.setdefault(arm, {})[seed] = r
@@ -238,7 +230,9 @@ def plan() -> dict[str, Any]:
     oracle = [runs["oracle"][s] for s in pairs]
     diff = paired([metric(r) for r in oracle], [metric(r) for r in grpo])
     gain = paired([metric(r) for r in grpo], [metric(r, "before") for r in grpo])
-    per_run = sum(r["seconds"] for r in grpo + oracle) / len(grpo + oracle) / 3600  # 1 thread
+    # a run's core-hours: the pilot's pieces (wall x threads) over its runs
+    pieces = [p for p in records().get("pieces") or [] if p.get("study") == PILOT.name]
+    per_run = sum(p["wall_s"] * p["threads"] for p in pieces) / len(grpo + oracle) / 3600
     used = core_hours()
     n80 = n_for_power(EFFECT, diff["sd"], alpha=ALPHA) if diff["sd"] > 0 else 3
     cap = math.floor((BUDGET - used) / (STAGE_B_COST * per_run))
@@ -332,7 +326,7 @@ def report() -> dict[str, Any]:
     for name, path in (("pilot", PILOT), ("study", STUDY)):
         runs = finished(path)
         out[f"{name}_runs"] = {
-            a: {str(s): {k: r.get(k) for k in ("before", "after", "precision", "seconds",
+            a: {str(s): {k: r.get(k) for k in ("before", "after", "precision", "train_seconds",
                                                "model_identity", "resumed", "rule_sha256")}
                 for s, r in rs.items()}
             for a, rs in runs.items()
