@@ -297,10 +297,12 @@ class GEARTrainer(GRPOTrainer):
         # the prompts after environment resets: exactly what the student is prompted with
         self._gear_prompts = copy.deepcopy(prompts)
         # each rollout's ground truth as its environment holds it right after reset(), before a
-        # tool call can change the environment's state
+        # tool call can change the environment's state. getattr: this override needs no state
+        # TRL's own `_generate` does not read (TRL's dispatch tests build the trainer with
+        # object.__new__ and no environment_factories)
         self._gear_env_ground_truths = (
             environment_ground_truths(self.environments, self.args.hint_column)
-            if self.environment_factories is not None and self.environments
+            if getattr(self, "environment_factories", None) is not None and self.environments
             else None
         )
         return super()._generate(prompts)
