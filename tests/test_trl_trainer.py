@@ -133,7 +133,7 @@ def test_token_advantages_reaching_the_loss_equal_gear_credit_of_the_batch(
     assert checked == [True]
 
     # the credit record of the step follows the contract
-    path = tmp_path / "credit" / "step_000000.jsonl"
+    path = tmp_path / "credit" / "step_000001.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 2
     for r in records:
@@ -358,7 +358,12 @@ def test_credit_records_are_written_every_credit_log_steps(tmp_path, tok):
     trainer = make_trainer(tmp_path, tok, max_steps=3, credit_log_steps=2, credit_log_rows=1)
     trainer.train()
     files = sorted(os.listdir(tmp_path / "credit"))
-    assert files == ["step_000000.jsonl", "step_000002.jsonl"]
+    # one numbering everywhere: the step the rollouts train, 1-based, as the logs (and
+    # metrics.jsonl, the progress line) call it
+    assert files == ["step_000001.jsonl", "step_000003.jsonl"]
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]
+    lines = [(tmp_path / "credit" / f).read_text().splitlines()[0] for f in files]
+    assert [json.loads(line)["step"] for line in lines] == [1, 3]
 
 
 def test_evaluation_runs_gear_and_reports_its_metrics(tmp_path, tok):

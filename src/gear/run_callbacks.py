@@ -70,11 +70,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def truncate_run_logs(run_dir: Path, step: int) -> None:
     """Forget what a run logged after `step` (the checkpoint it resumes from): metrics.jsonl
-    keeps its records of steps <= `step` (rewritten atomically); credit records of rollouts
-    generated after it are deleted (a record is named after the steps done when its rollouts
-    were generated: step_000002.jsonl was written during the third step, so `step` keeps those
-    below it). The steps after the checkpoint are trained again and logged anew, so each step
-    appears once."""
+    keeps its records of steps <= `step` (rewritten atomically); credit records of steps after
+    it are deleted (a record is named after the step its rollouts train, 1-based as in
+    metrics.jsonl: step_000003.jsonl was written during the third step). The steps after the
+    checkpoint are trained again and logged anew, so each step appears once."""
     from gear.inputs import read_text
 
     metrics = Path(run_dir) / "metrics.jsonl"
@@ -85,7 +84,7 @@ def truncate_run_logs(run_dir: Path, step: int) -> None:
             write_text(metrics, "".join(line + "\n" for line in keep))
     for record in (Path(run_dir) / "credit").glob("step_*.jsonl"):
         try:
-            later = int(record.stem.removeprefix("step_")) >= step
+            later = int(record.stem.removeprefix("step_")) > step
         except ValueError:
             continue
         if later:

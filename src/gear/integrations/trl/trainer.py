@@ -411,9 +411,10 @@ class GEARTrainer(GRPOTrainer):
         advantages: Tensor,
     ) -> None:
         """`output_dir/credit/step_XXXXXX.jsonl` every `credit_log_steps` steps (main process,
-        its first `credit_log_rows` rows; `records.write_batch_record`)."""
+        its first `credit_log_rows` rows; `records.write_batch_record`). XXXXXX is the step these
+        rollouts train, 1-based: the step metrics.jsonl and the progress line give it."""
         every, n_rows = self.args.credit_log_steps, self.args.credit_log_rows
-        step = self.state.global_step
+        step = self.state.global_step + 1  # global_step counts the steps done before this one
         if every == 0 or n_rows == 0 or step < self._gear_next_record_step:
             return
         self._gear_next_record_step = step + every
