@@ -96,9 +96,52 @@ def test_train_prints_one_line_per_step_when_output_is_not_a_terminal(trained):
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
     for line in lines:
         assert re.fullmatch(
-            r"step \d+/2  reward [\d.]+  kl_mean [\d.]+  [\d.]+ s/step  eta \dm \d\ds", line
+            r"step \d+/2  reward [\d.]+  (kl_mean [\d.]+|all rows tied)  "
+            r"[\d.]+ s/step  eta \dm \d\ds",
+            line,
         ), line
     assert "precision: float32" in output or "precision: bf16" in output
+
+
+def _progress_lines(monkeypatch, times: list[float], logs: list[dict]) -> list[str]:
+    """`step_line` of steps 1, 2, ... ending at `times` (seconds after training began)."""
+    from types import SimpleNamespace
+
+    from gear import run_callbacks
+    from gear.run_callbacks import ProgressCallback, step_line
+
+    clock = iter(times)
+    monkeypatch.setattr(run_callbacks, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    progress = ProgressCallback(console=None)
+    state = SimpleNamespace(global_step=0, max_steps=len(logs) + 1)
+    out = []
+    for log in logs:
+        state.global_step += 1
+        out.append(step_line(progress, state, log))
+    return out
+
+
+def test_a_step_whose_rows_all_tie_says_so_and_prints_no_kl(monkeypatch):
+    """Issue 59 item 14: no KL was measured (TRL logs the NaN mean as None); what the line said
+    before, `kl_mean 0.000`, read as a measurement. A run that skips no rows measured a KL on
+    them, but with every advantage 0 it moves nothing: the line says the same."""
+    from types import SimpleNamespace
+
+    from gear.run_callbacks import ProgressCallback
+
+    tied = {"reward": 1.0, "gear/kl_mean": None, "frac_reward_zero_std": 1.0}
+    for log in (tied, tied | {"gear/kl_mean": 0.2}):
+        [line] = _progress_lines(monkeypatch, [10.0], [log])
+        assert "all rows tied" in line and "kl_mean" not in line, line
+    [line] = _progress_lines(monkeypatch, [10.0], [{"reward": 1.0, "gear/kl_mean": None}])
+    assert "  kl_mean -  " in line  # not measured (a method without a teacher), not tied
+    # the bar on a terminal says the same
+    shown = []
+    bar = ProgressCallback(console=None)
+    bar.progress = SimpleNamespace(update=lambda task, info: shown.append(info))
+    for log in (tied, {"reward": 0.5, "gear/kl_mean": 0.25, "frac_reward_zero_std": 0.0}):
+        bar.on_log(None, SimpleNamespace(global_step=1), None, logs=log)
+    assert shown == ["reward 1.000  all rows tied", "reward 0.500  kl_mean 0.250"]
 
 
 def test_dry_run_checks_and_prints_the_config_and_writes_nothing(tmp_path):

@@ -55,8 +55,13 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     logs = trainer.state.log_history[0]
     assert math.isfinite(logs["loss"])
     expected = ("gear/kl_mean", "gear/entropy_mean") if mode == "self_distill" else SPEC_METRICS
+    # a signal the method never computes has no mean: None in the logs, never 0
+    unmeasured = {"grpo": ("gear/kl_mean", "gear/entropy_mean"), "entropy_top": ("gear/kl_mean",)}
+    unmeasured["oar_g"] = unmeasured["grpo"]
     for key in expected:
-        assert key in logs and math.isfinite(logs[key]), key
+        assert key in logs, key
+        none = key in unmeasured.get(mode, ())
+        assert (logs[key] is None) if none else math.isfinite(logs[key]), key
     if mode not in ("grpo", "self_distill", "oar_g"):  # these skip the signal passes
         assert logs["gear/entropy_mean"] > 0
         assert set(logs) >= TIMINGS
@@ -618,3 +623,17 @@ def test_self_distill_has_no_loss_on_rows_without_ground_truth(tmp_path, tok, mo
     trainer.compute_loss(trainer.model, inputs).backward()
     hinted = inputs["completion_mask"].bool() & inputs["gear_has_hint"][:, None]
     assert rows == [int(hinted.sum())] and 0 < rows[0] < int(inputs["completion_mask"].sum())
+
+
+def test_self_distill_logs_no_kl_for_a_micro_batch_it_measured_nothing_in(tmp_path, tok):
+    """No row of the micro-batch has a hint: no token enters the KL, so its means are NaN (TRL
+    logs them as None), not 0 (issue 59, item 14)."""
+    trainer = make_trainer(tmp_path, tok, loss_mode="self_distill", reward_funcs=None)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    inputs["gear_has_hint"] = torch.zeros_like(inputs["gear_has_hint"])
+    trainer._metrics["train"].clear()
+    trainer.compute_loss(trainer.model, inputs).backward()
+    logged = trainer._metrics["train"]
+    assert math.isnan(logged["gear/kl_mean"][-1]) and math.isnan(logged["gear/entropy_mean"][-1])
