@@ -97,7 +97,7 @@ def test_train_prints_one_line_per_step_when_output_is_not_a_terminal(trained):
     for line in lines:
         assert re.fullmatch(
             r"step \d+/2  reward [\d.]+  (kl_mean [\d.]+|all rows tied)  "
-            r"[\d.]+ s/step  eta \dm \d\ds",
+            r"median [\d.]+ s/step  last [\d.]+ s  eta \dm \d\ds",
             line,
         ), line
     assert "precision: float32" in output or "precision: bf16" in output
@@ -119,6 +119,15 @@ def _progress_lines(monkeypatch, times: list[float], logs: list[dict]) -> list[s
         state.global_step += 1
         out.append(step_line(progress, state, log))
     return out
+
+
+def test_the_progress_line_shows_the_last_steps_time_beside_the_median(monkeypatch):
+    """Issue 59 item 15: a slow step shows at once, not hidden by the median."""
+    logs = [{"reward": 0.5, "gear/kl_mean": 0.1, "frac_reward_zero_std": 0.5}] * 3
+    lines = _progress_lines(monkeypatch, [30.0, 60.0, 280.0], logs)
+    head = "reward 0.500  kl_mean 0.100  median 30.0 s/step"
+    assert lines[0] == f"step 1/4  {head}  last 30.0 s  eta 1m 30s"
+    assert lines[2] == f"step 3/4  {head}  last 220.0 s  eta 0m 30s"
 
 
 def test_a_step_whose_rows_all_tie_says_so_and_prints_no_kl(monkeypatch):

@@ -196,7 +196,9 @@ def kl_text(logs: dict[str, Any]) -> str:
 
 
 def step_line(progress: ProgressCallback, state: Any, logs: dict[str, Any]) -> str:
-    """`step 3/28  reward 0.250  kl_mean 0.171  31.2 s/step  eta 13m 01s` (median step time)."""
+    """`step 3/28  reward 0.250  kl_mean 0.171  median 31.2 s/step  last 30.8 s  eta 13m 01s`:
+    the ETA runs on the median step time; the last step's time stands beside it, so a slow
+    step shows at once (a line covering k > 1 steps, `logging_steps`, says `last k steps`)."""
     now = time.monotonic()
     steps = state.global_step - progress.last_step
     last = (now - progress.last_time) / steps
@@ -209,7 +211,8 @@ def step_line(progress: ProgressCallback, state: Any, logs: dict[str, Any]) -> s
         f"step {state.global_step}/{state.max_steps}",
         f"reward {reward:.3f}" if _number(reward) else "reward -",
         kl_text(logs),
-        f"{per_step:.1f} s/step",
+        f"median {per_step:.1f} s/step",
+        f"last {last:.1f} s" if steps == 1 else f"last {steps} steps {last:.1f} s/step",
         f"eta {eta // 60}m {eta % 60:02d}s",
     ]
     return "  ".join(parts)
