@@ -137,7 +137,9 @@ def main() -> None:
     )
     for log in trainer.state.log_history:
         if "step" in log and "loss" in log:
-            row = {"step": log["step"]} | {k: round(log[k], 4) for k in keys if k in log}
+            # None: nothing measured that step (e.g. gear/kl_mean when every row tied)
+            kept = {k: log[k] if log[k] is None else round(log[k], 4) for k in keys if k in log}
+            row = {"step": log["step"]} | kept
             print("STEP " + json.dumps(row), flush=True)
     print(f"{args.steps} steps in {elapsed:.1f} s", flush=True)
 

@@ -96,9 +96,61 @@ def test_train_prints_one_line_per_step_when_output_is_not_a_terminal(trained):
     assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
     for line in lines:
         assert re.fullmatch(
-            r"step \d+/2  reward [\d.]+  kl_mean [\d.]+  [\d.]+ s/step  eta \dm \d\ds", line
+            r"step \d+/2  reward [\d.]+  (kl_mean [\d.]+|all rows tied)  "
+            r"median [\d.]+ s/step  last [\d.]+ s  eta \dm \d\ds",
+            line,
         ), line
     assert "precision: float32" in output or "precision: bf16" in output
+
+
+def _progress_lines(monkeypatch, times: list[float], logs: list[dict]) -> list[str]:
+    """`step_line` of steps 1, 2, ... ending at `times` (seconds after training began)."""
+    from types import SimpleNamespace
+
+    from gear import run_callbacks
+    from gear.run_callbacks import ProgressCallback, step_line
+
+    clock = iter(times)
+    monkeypatch.setattr(run_callbacks, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    progress = ProgressCallback(console=None)
+    state = SimpleNamespace(global_step=0, max_steps=len(logs) + 1)
+    out = []
+    for log in logs:
+        state.global_step += 1
+        out.append(step_line(progress, state, log))
+    return out
+
+
+def test_the_progress_line_shows_the_last_steps_time_beside_the_median(monkeypatch):
+    """Issue 59 item 15: a slow step shows at once, not hidden by the median."""
+    logs = [{"reward": 0.5, "gear/kl_mean": 0.1, "frac_reward_zero_std": 0.5}] * 3
+    lines = _progress_lines(monkeypatch, [30.0, 60.0, 280.0], logs)
+    head = "reward 0.500  kl_mean 0.100  median 30.0 s/step"
+    assert lines[0] == f"step 1/4  {head}  last 30.0 s  eta 1m 30s"
+    assert lines[2] == f"step 3/4  {head}  last 220.0 s  eta 0m 30s"
+
+
+def test_a_step_whose_rows_all_tie_says_so_and_prints_no_kl(monkeypatch):
+    """Issue 59 item 14: no KL was measured (TRL logs the NaN mean as None); what the line said
+    before, `kl_mean 0.000`, read as a measurement. A run that skips no rows measured a KL on
+    them, but with every advantage 0 it moves nothing: the line says the same."""
+    from types import SimpleNamespace
+
+    from gear.run_callbacks import ProgressCallback
+
+    tied = {"reward": 1.0, "gear/kl_mean": None, "frac_reward_zero_std": 1.0}
+    for log in (tied, tied | {"gear/kl_mean": 0.2}):
+        [line] = _progress_lines(monkeypatch, [10.0], [log])
+        assert "all rows tied" in line and "kl_mean" not in line, line
+    [line] = _progress_lines(monkeypatch, [10.0], [{"reward": 1.0, "gear/kl_mean": None}])
+    assert "  kl_mean -  " in line  # not measured (a method without a teacher), not tied
+    # the bar on a terminal says the same
+    shown = []
+    bar = ProgressCallback(console=None)
+    bar.progress = SimpleNamespace(update=lambda task, info: shown.append(info))
+    for log in (tied, {"reward": 0.5, "gear/kl_mean": 0.25, "frac_reward_zero_std": 0.0}):
+        bar.on_log(None, SimpleNamespace(global_step=1), None, logs=log)
+    assert shown == ["reward 1.000  all rows tied", "reward 0.500  kl_mean 0.250"]
 
 
 def test_dry_run_checks_and_prints_the_config_and_writes_nothing(tmp_path):

@@ -175,7 +175,10 @@ def test_mass_is_preserved_when_clipping_does_not_bind(row, adv, method, modulat
     )
     n = sum(valid)
     assert float(d.token_advantages.double().sum()) == pytest.approx(n * adv, rel=1e-5, abs=1e-5)
-    assert d.stats["gear/mass_error"] < 1e-5
+    if n:
+        assert d.stats["gear/mass_error"] < 1e-5
+    else:  # no policy token: nothing measured, no statistic (issue 59, item 14)
+        assert math.isnan(d.stats["gear/mass_error"])
 
 
 @settings(max_examples=150, deadline=None)

@@ -184,12 +184,12 @@ def test_kill_9_after_a_logged_step_then_resume_logs_every_step_once(tiny_dir, t
     run.proc.kill()
     run.finish()
     assert last_checkpoint(run_dir).name == "checkpoint-2", run.output
-    assert trained_steps(run_dir)[:3] == [1, 2, 3] and 2 in credit_steps(run_dir)
+    assert trained_steps(run_dir)[:3] == [1, 2, 3] and 3 in credit_steps(run_dir)
     config = (run_dir / "config.yaml").read_text()
     resumed = GearTrain("--resume", str(run_dir), "--steps", "4")
     assert resumed.finish() == 0, resumed.output
     assert trained_steps(run_dir) == [1, 2, 3, 4]
-    assert credit_steps(run_dir) == [0, 1, 2, 3]  # named after the steps done before
+    assert credit_steps(run_dir) == [1, 2, 3, 4]  # named as metrics.jsonl names the step
     assert (run_dir / "config.yaml").read_text() == config.replace("max_steps: 40", "max_steps: 4")
 
 
@@ -309,7 +309,7 @@ def test_metrics_readers_take_each_step_once_the_last_record_winning(tmp_path):
         (tmp_path / "credit" / f"step_{step:06d}.jsonl").write_text("{}\n")
     truncate_run_logs(tmp_path, 3)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 3]
-    assert credit_steps(tmp_path) == [1]  # step_000003: rollouts of step 4, after the checkpoint
+    assert credit_steps(tmp_path) == [1, 3]  # step_000005: a step after the checkpoint
 
 
 @pytest.mark.parametrize("inherited", ["default", "ignored"])

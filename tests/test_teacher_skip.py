@@ -23,6 +23,7 @@ from gear.credit import METHODS, CreditParams, credit_details
 from gear.testing import tied_reward
 
 SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "contrast_kl", "influence")
+COUNTS = ("gear/rows_skipped", "gear/fallback_rows")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,11 @@ def test_tied_rows_get_no_teacher_pass_and_are_marked_in_the_record(tmp_path, to
     _, metrics = _advantages(trainer, _batch(trainer), skip=True)
     assert calls == []  # every group tied: no teacher pass at all
     assert metrics["gear/rows_skipped"] == 8.0
+    # nothing was measured: NaN (TRL logs None), never a KL of 0
+    assert math.isnan(metrics["gear/kl_mean"]) and math.isnan(metrics["gear/entropy_mean"])
+    assert math.isnan(metrics["gear/onsets_per_row"])
+    trainer.log({})
+    assert trainer.state.log_history[-1]["gear/kl_mean"] is None
     records = [
         json.loads(line) for line in Path(tmp_path, "credit").glob("*.jsonl").__next__().open()
     ]
@@ -172,7 +178,25 @@ def test_core_skip_is_exact_with_masks_and_turns(batch, method, floor):
     assert torch.equal(full.token_advantages, part.token_advantages)
     assert part.stats["gear/rows_skipped"] == float((~scored).sum())
     assert part.stats["gear/fallback_rows"] == 0.0
-    assert all(math.isfinite(v) for v in part.stats.values())
+    measured = bool((valid & scored[:, None]).any())  # else every statistic but a count is NaN
+    assert all(math.isfinite(v) == measured for k, v in part.stats.items() if k not in COUNTS)
+
+
+def test_a_batch_with_no_scored_token_reports_no_statistic_but_its_counts():
+    """Issue 59 item 14: every row tied (or no policy token among the scored rows): no KL was
+    measured, so the means are NaN, not 0; a signal the method never computes is NaN too."""
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    kl = torch.rand(2, 3)
+    tied = credit_details(
+        torch.zeros(2), valid, kl=kl, entropy=kl, scored=torch.tensor([False, False])
+    )
+    assert all(math.isnan(v) for k, v in tied.stats.items() if k not in COUNTS), tied.stats
+    assert (tied.stats["gear/rows_skipped"], tied.stats["gear/fallback_rows"]) == (2.0, 0.0)
+    one = credit_details(torch.tensor([1.0, 0.0]), valid, kl=kl, entropy=kl,
+                         scored=torch.tensor([True, False]))  # fmt: skip
+    assert one.stats["gear/kl_mean"] == pytest.approx(float(kl[0].mean()))
+    no_kl = credit_details(torch.tensor([1.0, -1.0]), valid, params=CreditParams(method="grpo"))
+    assert math.isnan(no_kl.stats["gear/kl_mean"]) and no_kl.stats["gear/mass_error"] == 0.0
 
 
 def test_core_refuses_an_unscored_row_that_carries_advantage():

@@ -14,4 +14,4 @@ def test_two_processes_train_in_lockstep(tmp_path):
     verdict = run_two_processes(tmp_path, "--backend", "ddp", "--teacher", "ema", timeout=300)
     assert_lockstep(verdict, "ddp", "ema")
     assert verdict["ranks"][0]["distributed_type"] == "DistributedType.MULTI_CPU"
-    assert (tmp_path / "credit" / "step_000000.jsonl").is_file()
+    assert (tmp_path / "credit" / "step_000001.jsonl").is_file()

@@ -95,7 +95,7 @@ def test_tool_tokens_are_masked_out_of_signals_weights_and_segments(tmp_path, mo
     ]
     assert teacher and sorted(teacher[0][:, -T:].tolist()) == sorted(completions)
     # the credit record keeps the observation, marked invalid
-    lines = (tmp_path / "credit" / "step_000000.jsonl").read_text().splitlines()
+    lines = (tmp_path / "credit" / "step_000001.jsonl").read_text().splitlines()
     record = json.loads(lines[0])
     assert len(record["tokens"]) == T and record["valid"][obs] == [False] * n_obs
 

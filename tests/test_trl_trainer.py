@@ -55,8 +55,13 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     logs = trainer.state.log_history[0]
     assert math.isfinite(logs["loss"])
     expected = ("gear/kl_mean", "gear/entropy_mean") if mode == "self_distill" else SPEC_METRICS
+    # a signal the method never computes has no mean: None in the logs, never 0
+    unmeasured = {"grpo": ("gear/kl_mean", "gear/entropy_mean"), "entropy_top": ("gear/kl_mean",)}
+    unmeasured["oar_g"] = unmeasured["grpo"]
     for key in expected:
-        assert key in logs and math.isfinite(logs[key]), key
+        assert key in logs, key
+        none = key in unmeasured.get(mode, ())
+        assert (logs[key] is None) if none else math.isfinite(logs[key]), key
     if mode not in ("grpo", "self_distill", "oar_g"):  # these skip the signal passes
         assert logs["gear/entropy_mean"] > 0
         assert set(logs) >= TIMINGS
@@ -133,7 +138,7 @@ def test_token_advantages_reaching_the_loss_equal_gear_credit_of_the_batch(
     assert checked == [True]
 
     # the credit record of the step follows the contract
-    path = tmp_path / "credit" / "step_000000.jsonl"
+    path = tmp_path / "credit" / "step_000001.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 2
     for r in records:
@@ -358,7 +363,12 @@ def test_credit_records_are_written_every_credit_log_steps(tmp_path, tok):
     trainer = make_trainer(tmp_path, tok, max_steps=3, credit_log_steps=2, credit_log_rows=1)
     trainer.train()
     files = sorted(os.listdir(tmp_path / "credit"))
-    assert files == ["step_000000.jsonl", "step_000002.jsonl"]
+    # one numbering everywhere: the step the rollouts train, 1-based, as the logs (and
+    # metrics.jsonl, the progress line) call it
+    assert files == ["step_000001.jsonl", "step_000003.jsonl"]
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]
+    lines = [(tmp_path / "credit" / f).read_text().splitlines()[0] for f in files]
+    assert [json.loads(line)["step"] for line in lines] == [1, 3]
 
 
 def test_evaluation_runs_gear_and_reports_its_metrics(tmp_path, tok):
@@ -613,3 +623,17 @@ def test_self_distill_has_no_loss_on_rows_without_ground_truth(tmp_path, tok, mo
     trainer.compute_loss(trainer.model, inputs).backward()
     hinted = inputs["completion_mask"].bool() & inputs["gear_has_hint"][:, None]
     assert rows == [int(hinted.sum())] and 0 < rows[0] < int(inputs["completion_mask"].sum())
+
+
+def test_self_distill_logs_no_kl_for_a_micro_batch_it_measured_nothing_in(tmp_path, tok):
+    """No row of the micro-batch has a hint: no token enters the KL, so its means are NaN (TRL
+    logs them as None), not 0 (issue 59, item 14)."""
+    trainer = make_trainer(tmp_path, tok, loss_mode="self_distill", reward_funcs=None)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    inputs["gear_has_hint"] = torch.zeros_like(inputs["gear_has_hint"])
+    trainer._metrics["train"].clear()
+    trainer.compute_loss(trainer.model, inputs).backward()
+    logged = trainer._metrics["train"]
+    assert math.isnan(logged["gear/kl_mean"][-1]) and math.isnan(logged["gear/entropy_mean"][-1])

@@ -241,3 +241,26 @@ def test_trls_argument_errors_reach_the_user_before_gears(
     kwargs.update(trainer_kwargs)
     with pytest.raises(ValueError, match=message):
         GEARTrainer(**kwargs)
+
+
+def test_gears_generate_needs_no_more_state_than_trls():
+    """TRL's `TestGRPORolloutDispatch` builds the trainer with `object.__new__` and sets only
+    what TRL's `_generate` reads; a rollout_func that leaves out a key must then meet TRL's own
+    ValueError, not an AttributeError from GEAR's override (re-created here: TRL's test files
+    are not in its sdist)."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    trainer = object.__new__(GEARTrainer)
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), is_main_process=True)
+    trainer.args = SimpleNamespace(report_to=[])
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(global_step=2)
+    trainer._last_loaded_step = 1
+    trainer.use_vllm = False
+    trainer.use_transformers_paged = False
+    trainer.vllm_generation = SimpleNamespace(sync_weights=MagicMock())
+    trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]]})
+    with pytest.raises(ValueError, match="rollout_func must return keys"):
+        trainer._generate(["prompt"])
+    trainer.rollout_func.assert_called_once_with(["prompt"], trainer)

@@ -193,6 +193,46 @@ def test_plots_write_one_png_per_metric_and_a_learning_curve_figure(tmp_path: Pa
     _png_ok(plot_learning_curves(curves, tmp_path / "curves.png", ylabel="accuracy"))
 
 
+def _trajectory_ticks(monkeypatch, record: dict, tmp_path: Path) -> dict[int, str]:
+    """Draw `record`'s trajectory plot; its x tick labels by token position."""
+    import gear.viz.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots.plt, "close", figures.append)  # keep the figure to read it
+    _png_ok(plot_trajectory(record, tmp_path / "traj.png"))
+    ax = figures[0].axes[0]
+    return {
+        round(x): t.get_text() for x, t in zip(ax.get_xticks(), ax.get_xticklabels(), strict=True)
+    }
+
+
+def test_the_trajectory_labels_its_x_axis_with_the_rows_tokens(monkeypatch, tmp_path: Path):
+    """Issue 59 item 12: a reader sees which token was blamed: each tick is the row's token as
+    the viewer shows it (whitespace marked); text that reads as matplotlib math stays text."""
+    from gear.viz.html import token_label
+
+    record = dict(make_batch()["rows"][0])
+    record["tokens"] = list(record["tokens"])
+    record["tokens"][2:5] = ["$x^$", "", " \\boxed{4}\n"]  # math markup, empty, long
+    ticks = _trajectory_ticks(monkeypatch, record, tmp_path)
+    assert list(ticks) == list(range(len(record["tokens"])))  # 40 tokens: every one labelled
+    assert ticks[1] == "·x" and ticks[3] == "∅" and ticks[2] == "$x^$"
+    assert ticks[4] == token_label(" \\boxed{4}\n")[:9] + "…"  # cut: ·\boxed{4}↵
+    assert ticks[14] == "<tool_res…" and ticks[16] == "↵"  # the tool's output, a newline
+
+
+def test_a_long_trajectory_labels_every_kth_token_and_every_onset(monkeypatch, tmp_path: Path):
+    record = dict(make_batch()["rows"][0])
+    n = 900
+    for key in ("kl_norm", "entropy_norm", "weight", "valid", "onset", "segment_id"):
+        record[key] = (record[key] * (n // 40 + 1))[:n]
+    record["tokens"] = [f"t{i}" for i in range(n)]
+    onsets = [i for i in range(n) if record["onset"][i]]
+    ticks = _trajectory_ticks(monkeypatch, record, tmp_path)
+    assert 50 < len(ticks) < n / 2  # thinned, yet dense enough to read along
+    assert all(ticks[i] == f"t{i}" for i in ticks) and set(onsets) <= set(ticks)
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

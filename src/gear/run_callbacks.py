@@ -70,11 +70,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def truncate_run_logs(run_dir: Path, step: int) -> None:
     """Forget what a run logged after `step` (the checkpoint it resumes from): metrics.jsonl
-    keeps its records of steps <= `step` (rewritten atomically); credit records of rollouts
-    generated after it are deleted (a record is named after the steps done when its rollouts
-    were generated: step_000002.jsonl was written during the third step, so `step` keeps those
-    below it). The steps after the checkpoint are trained again and logged anew, so each step
-    appears once."""
+    keeps its records of steps <= `step` (rewritten atomically); credit records of steps after
+    it are deleted (a record is named after the step its rollouts train, 1-based as in
+    metrics.jsonl: step_000003.jsonl was written during the third step). The steps after the
+    checkpoint are trained again and logged anew, so each step appears once."""
     from gear.inputs import read_text
 
     metrics = Path(run_dir) / "metrics.jsonl"
@@ -85,7 +84,7 @@ def truncate_run_logs(run_dir: Path, step: int) -> None:
             write_text(metrics, "".join(line + "\n" for line in keep))
     for record in (Path(run_dir) / "credit").glob("step_*.jsonl"):
         try:
-            later = int(record.stem.removeprefix("step_")) >= step
+            later = int(record.stem.removeprefix("step_")) > step
         except ValueError:
             continue
         if later:
@@ -169,11 +168,9 @@ class ProgressCallback(TrainerCallback):
         if not logs:
             return
         if self.progress is not None:
-            parts = [
-                f"{k.split('/')[-1]} {logs[k]:.3f}"
-                for k in ("reward", "gear/kl_mean")
-                if isinstance(logs.get(k), float)
-            ]
+            parts = [f"reward {logs['reward']:.3f}"] if _number(logs.get("reward")) else []
+            if (kl := kl_text(logs)) != "kl_mean -":  # the bar leaves out what was not logged
+                parts.append(kl)
             self.progress.update(self.task, info="  ".join(parts))
         elif self.lines and "reward" in logs and state.global_step > self.last_step:
             self.console.print(step_line(self, state, logs), highlight=False, soft_wrap=True)
@@ -184,20 +181,40 @@ class ProgressCallback(TrainerCallback):
             self.progress = None
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def kl_text(logs: dict[str, Any]) -> str:
+    """`kl_mean 0.171`; `all rows tied` when every group's rewards tied (TRL's
+    `frac_reward_zero_std` is 1: every advantage is 0, so no KL was measured, or, with
+    `skip_zero_advantage_rows` off, one that moves nothing); `kl_mean -` when none was logged."""
+    if logs.get("frac_reward_zero_std") == 1:
+        return "all rows tied"
+    value = logs.get("gear/kl_mean")
+    return f"kl_mean {value:.3f}" if _number(value) else "kl_mean -"
+
+
 def step_line(progress: ProgressCallback, state: Any, logs: dict[str, Any]) -> str:
-    """`step 3/28  reward 0.250  kl_mean 0.171  31.2 s/step  eta 13m 01s` (median step time)."""
+    """`step 3/28  reward 0.250  kl_mean 0.171  median 31.2 s/step  last 30.8 s  eta 13m 01s`:
+    the ETA runs on the median step time; the last step's time stands beside it, so a slow
+    step shows at once (a line covering k > 1 steps, `logging_steps`, says `last k steps`)."""
     now = time.monotonic()
     steps = state.global_step - progress.last_step
-    progress.step_times += [(now - progress.last_time) / steps] * steps
+    last = (now - progress.last_time) / steps
+    progress.step_times += [last] * steps
     progress.last_time, progress.last_step = now, state.global_step
     per_step = statistics.median(progress.step_times)
     eta = int(per_step * max(state.max_steps - state.global_step, 0))
-    parts = [f"step {state.global_step}/{state.max_steps}"]
-    for key, label in (("reward", "reward"), ("gear/kl_mean", "kl_mean")):
-        value = logs.get(key)
-        parts.append(f"{label} {value:.3f}" if isinstance(value, int | float) else f"{label} -")
-    parts.append(f"{per_step:.1f} s/step")
-    parts.append(f"eta {eta // 60}m {eta % 60:02d}s")
+    reward = logs.get("reward")
+    parts = [
+        f"step {state.global_step}/{state.max_steps}",
+        f"reward {reward:.3f}" if _number(reward) else "reward -",
+        kl_text(logs),
+        f"median {per_step:.1f} s/step",
+        f"last {last:.1f} s" if steps == 1 else f"last {steps} steps {last:.1f} s/step",
+        f"eta {eta // 60}m {eta % 60:02d}s",
+    ]
     return "  ".join(parts)
 
 

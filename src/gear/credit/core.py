@@ -3,6 +3,7 @@ non-finite rows, and summarise what happened (spec §5)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -287,9 +288,16 @@ def token_advantages(
     ).token_advantages
 
 
+COUNT_STATS = ("gear/fallback_rows", "gear/rows_skipped")  # counts: defined on any batch
+
+
 def credit_stats(d: CreditDetails, x: CreditInputs) -> dict[str, float]:
-    """The spec §5 statistics of one batch (floats; 0.0 where undefined), over its scored rows
-    (`CreditDetails.skipped_rows`), plus `gear/rows_skipped`."""
+    """The spec §5 statistics of one batch (floats), over its scored rows
+    (`CreditDetails.skipped_rows`), plus `gear/rows_skipped`. Where nothing was measured they
+    are NaN, never 0 (TRL logs NaN as None): all but the counts (`COUNT_STATS`) when no policy
+    token of a scored row is left (every row tied, say), and a mean of a signal the method does
+    not compute (`gear/kl_mean` without a teacher). 0.0 where a measured batch leaves one
+    undefined (no onsets: `gear/mean_segment_len`; under 2 weights: `gear/weight_std_*`)."""
     skipped = d.skipped_rows
     valid = x.valid if skipped is None else x.valid & ~skipped[:, None]
     n_rows = valid.shape[0] - (0 if skipped is None else int(skipped.sum()))
@@ -300,7 +308,7 @@ def credit_stats(d: CreditDetails, x: CreditInputs) -> dict[str, float]:
     w = d.weights.double()
 
     def masked_mean(v: Tensor | None) -> float:
-        return 0.0 if v is None else float(torch.where(valid, v, 0.0).sum() / n_total)
+        return math.nan if v is None else float(torch.where(valid, v, 0.0).sum() / n_total)
 
     def weight_std(rows: Tensor) -> float:
         m = valid & rows[:, None]
@@ -310,7 +318,7 @@ def credit_stats(d: CreditDetails, x: CreditInputs) -> dict[str, float]:
     expected = n_valid * x.advantages
     error = (mass - expected).abs() / n_valid.clamp(min=1)
     mass_error = error.mean() if skipped is None else error[~skipped].sum() / max(n_rows, 1)
-    return {
+    stats = {
         "gear/kl_mean": masked_mean(x.kl),
         "gear/entropy_mean": masked_mean(x.entropy),
         "gear/onsets_per_row": n_onsets / max(n_rows, 1),
@@ -322,3 +330,6 @@ def credit_stats(d: CreditDetails, x: CreditInputs) -> dict[str, float]:
         "gear/fallback_rows": float(d.fallback_rows.sum()),
         "gear/rows_skipped": 0.0 if skipped is None else float(skipped.sum()),
     }
+    if not bool(valid.any()):  # no token measured: a 0 here would read as a measurement
+        stats |= {k: math.nan for k in stats if k not in COUNT_STATS}
+    return stats

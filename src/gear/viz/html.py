@@ -73,20 +73,25 @@ def _dark(rgb: str) -> bool:
     return 0.299 * r + 0.587 * g + 0.114 * b < 140
 
 
+#: How the viewer shows whitespace in a token (the page's JS `addText` uses the same marks).
+WHITESPACE_MARKS = {" ": "·", "\n": "↵", "\t": "⇥", "\r": "␍"}
+EMPTY_TOKEN = "∅"  # a token that decodes to nothing
+
+
+def token_label(text: str, marks: dict[str, str] = WHITESPACE_MARKS) -> str:
+    """A token's text as the viewer shows it, in plain text: whitespace as its mark."""
+    return "".join(marks.get(ch, ch) for ch in text) if text else EMPTY_TOKEN
+
+
 def _token_text_html(text: str) -> str:
     """Escaped token text with visible whitespace: '·' for spaces, '↵' + break for newlines."""
     if text == "":
-        return '<span class="ws">∅</span>'
+        return f'<span class="ws">{EMPTY_TOKEN}</span>'
     out = []
     for ch in text:
-        if ch == " ":
-            out.append('<span class="ws">·</span>')
-        elif ch == "\n":
-            out.append('<span class="ws">↵</span>\n')
-        elif ch == "\t":
-            out.append('<span class="ws">⇥</span>\t')
-        elif ch == "\r":
-            out.append('<span class="ws">␍</span>')
+        if ch in WHITESPACE_MARKS:  # newlines and tabs also keep their layout
+            keep = ch if ch in "\n\t" else ""
+            out.append(f'<span class="ws">{WHITESPACE_MARKS[ch]}</span>{keep}')
         else:
             out.append(html.escape(ch))
     return "".join(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,12 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from gear.viz.html import SEGMENT_COLOURS
+from gear.viz.html import SEGMENT_COLOURS, WHITESPACE_MARKS, token_label
 
 KL_COLOUR, ENT_COLOUR, W_COLOUR = "#cb181d", "#2171b5", "#4d9221"
+TICK_PITCH = 0.13  # inches per token label (7 pt text, rotated): closer ones overlap
+LABEL_CHARS = 10  # a longer token label is cut, with '…'
+PLOT_MARKS = WHITESPACE_MARKS | {"\r": "\\r"}  # matplotlib's DejaVu Sans has no '␍'
 
 
 def _nan(xs: Sequence[float | None]) -> np.ndarray:
@@ -36,13 +40,49 @@ def _runs(values: Sequence[Any]) -> list[tuple[int, int, Any]]:
     return runs
 
 
+def _labelled(n: int, onsets: Sequence[int], room: int) -> list[int]:
+    """The token positions that get a label: all `n` when they fit in `room`, else every k-th
+    (k = ceil(n / room)) and every onset (the blamed tokens), dropping the k-th ones nearer
+    than k to an onset, where their labels would overlap."""
+    if n <= room:
+        return list(range(n))
+    k = math.ceil(n / room)
+    marked = np.zeros(n + 2 * k, dtype=bool)  # onsets, padded by k on both sides
+    marked[np.asarray(onsets, dtype=int) + k] = True
+    near = np.convolve(marked, np.ones(2 * k - 1), mode="same")[k:-k] > 0
+    return sorted({*onsets, *(i for i in range(0, n, k) if not near[i])})
+
+
+def _token_ticks(ax: Any, record: dict[str, Any], width: float) -> int:
+    """Label the x axis with the row's tokens as the viewer shows them (`token_label`),
+    rotated and thinned to fit `width` inches (`_labelled`): onsets bold, observation tokens
+    grey. Returns the label stride (1: every token)."""
+    tokens, n = record["tokens"], len(record["tokens"])
+    onsets = [i for i, o in enumerate(record["onset"]) if o]
+    ticks = _labelled(n, onsets, max(1, int((width - 1.8) / TICK_PITCH)))
+    labels = []
+    for i in ticks:
+        text = token_label(tokens[i], PLOT_MARKS)
+        labels.append(text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 1] + "…")
+    # parse_math=False: a token such as '$x^$' is text, not (broken) math markup
+    ax.set_xticks(ticks, labels=labels, rotation=90, fontsize=7, parse_math=False)
+    for i, label in zip(ticks, ax.get_xticklabels(), strict=True):
+        if record["onset"][i]:
+            label.set_fontweight("bold")
+        elif not record["valid"][i]:
+            label.set_color("#6b7280")
+    return math.ceil(n / len(ticks)) if ticks else 1
+
+
 def plot_trajectory(record: dict[str, Any], path: str | Path, why: str | None = None) -> Path:
     """The paper's Figure-2 view of one credit record (contracts format).
 
-    x = token index (0 .. T_row-1); normalised KL (red) and entropy (blue) on the left axis,
-    weights (green steps) on a twin axis; onsets as vertical lines, segments shaded by id,
+    x = the row's tokens (0 .. T_row-1), labelled with their text as the viewer shows it
+    (whitespace marked, onsets bold; thinned to every k-th token and every onset when they do
+    not fit), token index on the top axis; normalised KL (red) and entropy (blue) on the left
+    axis, weights (green steps) on a twin axis; onsets as vertical lines, segments shaded by id,
     observation (invalid) tokens shaded grey. `why`: why this row was picked
-    (`gear.viz.record.trajectory_row`), written under the title. Returns the PNG path.
+    (`gear.viz.record.trajectory_row`), written above the title. Returns the PNG path.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +93,8 @@ def plot_trajectory(record: dict[str, Any], path: str | Path, why: str | None = 
     ent = np.where(valid, _nan(record["entropy_norm"]), np.nan)
     w = np.where(valid, _nan(record["weight"]), np.nan)
 
-    fig, ax = plt.subplots(figsize=(max(8.0, min(20.0, n / 12)), 3.6), dpi=110)
+    width = max(8.0, min(32.0, 1.8 + n * TICK_PITCH))
+    fig, ax = plt.subplots(figsize=(width, 4.4), dpi=110, layout="constrained")
     for start, end, seg in _runs(record["segment_id"]):
         if seg >= 0:
             colour = SEGMENT_COLOURS[seg % len(SEGMENT_COLOURS)]
@@ -67,7 +108,12 @@ def plot_trajectory(record: dict[str, Any], path: str | Path, why: str | None = 
     ax.plot(x, ent, color=ENT_COLOUR, lw=1.2, alpha=0.85, label="normalised entropy H̃")
     ax.set_xlim(-0.5, max(n - 0.5, 0.5))
     ax.set_ylim(-0.03, 1.05)
-    ax.set_xlabel("token index")
+    stride = _token_ticks(ax, record, width)
+    shown = "every token" if stride == 1 else f"1 in {stride} labelled, and every onset"
+    ax.set_xlabel(f"token ({shown}; · space, ↵ newline, ∅ empty)", fontsize=9)
+    top = ax.secondary_xaxis("top")
+    top.tick_params(labelsize=7)
+    top.set_xlabel("token index", fontsize=8)
     ax.set_ylabel("normalised signal")
     ax.spines[["top"]].set_visible(False)
 
@@ -87,8 +133,8 @@ def plot_trajectory(record: dict[str, Any], path: str | Path, why: str | None = 
         Patch(color=SEGMENT_COLOURS[0], alpha=0.25, lw=0, label="segment (colour = id)"),
         Patch(facecolor="#d1d5db", hatch="//", lw=0, label="observation (no credit)"),
     ]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=6,
-              fontsize=8, frameon=False)  # fmt: skip
+    ncol = 6 if width >= 11 else 3  # one row where it fits
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)
     adv, rew = record.get("advantage"), record.get("reward")
     ax.set_title(
         f"{record.get('method', '?')} · step {record.get('step', '?')} · row "
@@ -97,8 +143,10 @@ def plot_trajectory(record: dict[str, Any], path: str | Path, why: str | None = 
         loc="left", fontsize=10,
     )  # fmt: skip
     if why:
-        fig.text(0.01, 1.0, f"picked: {why}", fontsize=8, color="#555", va="bottom")
-    fig.savefig(path, bbox_inches="tight")
+        fig.suptitle(f"picked: {why}", x=0.01, ha="left", fontsize=8, color="#555")
+    with warnings.catch_warnings():  # a glyph DejaVu Sans lacks (CJK, emoji) draws as a box
+        warnings.filterwarnings("ignore", "Glyph .* missing from font")
+        fig.savefig(path)
     plt.close(fig)
     return path
 

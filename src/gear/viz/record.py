@@ -76,7 +76,8 @@ def credit_rows(
         tokens: N lists of token strings, each at least T_row long (extra entries, e.g. padding,
             are dropped).
         rewards, advantages: (N,) floats. prompts, completions: N strings or chat message lists.
-        step: training step. method: credit method name.
+        step: the training step the rows' rollouts train, 1-based (as metrics.jsonl numbers
+            it). method: credit method name.
         rows: which rows to record (default all N).
         kl, entropy: (N, T) raw signals (optional; written as null when not given).
         token_ids: (N, T) ids (optional; null when not given).

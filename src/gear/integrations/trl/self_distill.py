@@ -7,6 +7,7 @@ micro-batch, so the "current" teacher is exactly the weights being trained.
 
 from __future__ import annotations
 
+from math import nan
 from typing import Any
 
 import torch
@@ -44,7 +45,8 @@ def self_distill_loss(
             `completion_ids` / `completion_mask` (and `tool_mask`), and GEAR's (B, P_T + T)
             `gear_teacher_input_ids` / `gear_teacher_attention_mask`, (B,) `gear_has_hint`.
     Returns:
-        the loss, and `gear/kl_mean`, `gear/entropy_mean` over the valid tokens of all processes.
+        the loss, and `gear/kl_mean`, `gear/entropy_mean` over the valid tokens of all processes
+        (NaN when there is none).
     """
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
@@ -85,8 +87,6 @@ def self_distill_loss(
         torch.stack([kl_valid.detach().sum(), entropy_valid.sum(), valid.sum().float()]),
         reduction="sum",
     )
-    count = totals[2].clamp(min=1.0)
-    return loss, {
-        "gear/kl_mean": (totals[0] / count).item(),
-        "gear/entropy_mean": (totals[1] / count).item(),
-    }
+    # no valid token anywhere (no row with a hint): nothing measured, NaN (TRL logs None), not 0
+    kl_mean, entropy_mean = (totals[:2] / totals[2]).tolist() if totals[2] > 0 else (nan, nan)
+    return loss, {"gear/kl_mean": kl_mean, "gear/entropy_mean": entropy_mean}

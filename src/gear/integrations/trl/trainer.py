@@ -317,10 +317,12 @@ class GEARTrainer(GRPOTrainer):
         # the prompts after environment resets: exactly what the student is prompted with
         self._gear_prompts = copy.deepcopy(prompts)
         # each rollout's ground truth as its environment holds it right after reset(), before a
-        # tool call can change the environment's state
+        # tool call can change the environment's state. getattr: this override needs no state
+        # TRL's own `_generate` does not read (TRL's dispatch tests build the trainer with
+        # object.__new__ and no environment_factories)
         self._gear_env_ground_truths = (
             environment_ground_truths(self.environments, self.args.hint_column)
-            if self.environment_factories is not None and self.environments
+            if getattr(self, "environment_factories", None) is not None and self.environments
             else None
         )
         return super()._generate(prompts)
@@ -432,9 +434,10 @@ class GEARTrainer(GRPOTrainer):
         advantages: Tensor,
     ) -> None:
         """`output_dir/credit/step_XXXXXX.jsonl` every `credit_log_steps` steps (main process,
-        its first `credit_log_rows` rows; `records.write_batch_record`)."""
+        its first `credit_log_rows` rows; `records.write_batch_record`). XXXXXX is the step these
+        rollouts train, 1-based: the step metrics.jsonl and the progress line give it."""
         every, n_rows = self.args.credit_log_steps, self.args.credit_log_rows
-        step = self.state.global_step
+        step = self.state.global_step + 1  # global_step counts the steps done before this one
         if every == 0 or n_rows == 0 or step < self._gear_next_record_step:
             return
         self._gear_next_record_step = step + every
