@@ -414,7 +414,9 @@ def test_math_parquet_errors_name_the_row_from_0(tmp_path):
 
     rows = [{"problem": "p", "answer": "1"}, {"problem": "q", "answer": None}]
     path = write_parquet(tmp_path / "bad.parquet", rows)
-    with pytest.raises(InputError, match=r"bad\.parquet: row 1: no answer"):
+    with pytest.raises(
+        InputError, match=r"bad\.parquet: row 1: no answer .*its fields: \[.problem.\];"
+    ):
         get_task("math", path=path).dataset("test")
 
 

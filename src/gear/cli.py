@@ -197,7 +197,9 @@ def train(
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
     ] = None,
-    task: Annotated[str | None, typer.Option(help="arithmetic | gsm8k | bfcl | tools")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="arithmetic | gsm8k | math | bfcl | tools")
+    ] = None,
     method: Annotated[
         str | None, typer.Option(help="Credit method (gear, grpo, gear_token, rlsd, ...).")
     ] = None,
@@ -301,11 +303,20 @@ def eval_(
     out: Annotated[
         Path | None, typer.Option(help="Output directory (default: the run directory or .)")
     ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            "-s",
+            help="task_options={...}: the task's options, as `gear train` takes them.",
+        ),
+    ] = None,
 ) -> None:
     """pass@1 / pass@k of a model or a run's final model on a task split (JSON + Markdown).
 
     A run that has no final model (it stopped before it finished) is evaluated at its newest
-    complete checkpoint, and the output says which.
+    complete checkpoint, and the output says which. Task options come as in `gear train`
+    (`--set task_options='{path: data/math}'`) or one by one (`--task-option path=data/math`).
     """
     from rich.progress import (
         BarColumn,
@@ -323,6 +334,7 @@ def eval_(
     path = Path(target)
     model_path, run_cfg, note = evaluation_target(target)  # checked before any model is loaded
     options = dict(run_cfg.get("task_options") or {}) if task in (None, run_cfg.get("task")) else {}
+    options.update(_eval_task_options(set_))
     options.update(_overrides(task_option))
     task_name = task or run_cfg.get("task") or "arithmetic"
     try:
@@ -370,6 +382,22 @@ def eval_(
             f"were evaluated (--n asked for {n})"
         )
     console.print(f"wrote {report} and .md")
+
+
+def _eval_task_options(pairs: list[str] | None) -> dict[str, Any]:
+    """The task options `gear eval --set task_options={...}` gives. `--set` takes that key
+    alone: the rest of a run's config does not apply to an evaluation (its own options do)."""
+    sets = _overrides(pairs)
+    others = sorted(k for k in sets if k != "task_options")
+    if others:
+        _fail(
+            f"gear eval --set takes task_options only, got {others}; the evaluation's settings "
+            "are its options (--n, --samples, --temperature, --max-new-tokens, ...)"
+        )
+    options = sets.get("task_options") or {}
+    if not isinstance(options, dict):
+        _fail(f"--set task_options: expected a mapping such as '{{path: data}}', got {options!r}")
+    return options
 
 
 @app.command()
@@ -491,7 +519,9 @@ def compare(
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
     ] = None,
-    task: Annotated[str | None, typer.Option(help="arithmetic | gsm8k | bfcl | tools")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="arithmetic | gsm8k | math | bfcl | tools")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="Steps per run (same for all).")] = None,
     baseline: Annotated[str, typer.Option(help="The method the others are compared to.")] = "grpo",
     effect: Annotated[

@@ -163,6 +163,11 @@ def field_value(row: dict, key: str) -> Any:
     return _MISSING if value is None else value
 
 
+def filled(row: dict) -> list[str]:
+    """The names of a row's fields that hold a value (a parquet row has every column)."""
+    return sorted(k for k, v in row.items() if v is not None)
+
+
 def read_rows(path: Path) -> list[tuple[str, dict]]:
     """``(where, row)`` for every row of a JSONL or parquet file; ``where`` names the row in
     errors ("line 3" in JSONL, "row 2" in parquet, counting from 0). An `InputError` when the
@@ -272,7 +277,7 @@ class MathTask(Task):
         if chosen is not None:
             raise InputError(
                 file,
-                f"{where} has no field {chosen!r} ({option}); its fields: {sorted(row)}",
+                f"{where} has no field {chosen!r} ({option}); its fields: {filled(row)}",
                 f"fill it, or set {option} to the field that holds it",
             )
         return None, _MISSING
@@ -286,7 +291,7 @@ class MathTask(Task):
         key, problem = self._lookup(row, "problem_key", PROBLEM_KEYS, where, file)
         if problem is _MISSING:
             raise bad(
-                f"no problem (looked for {list(PROBLEM_KEYS)}); its fields: {sorted(row)}",
+                f"no problem (looked for {list(PROBLEM_KEYS)}); its fields: {filled(row)}",
                 "set problem_key to the field that holds it",
             )
         prompt = self._prompt(problem)
@@ -307,7 +312,7 @@ class MathTask(Task):
             if solution is _MISSING:
                 raise bad(
                     f"no answer (looked for {list(ANSWER_KEYS)} and a solution's \\boxed{{}}); "
-                    f"its fields: {sorted(row)}",
+                    f"its fields: {filled(row)}",
                     "set answer_key or solution_key to the field that holds it",
                 )
             answer = last_boxed(solution)
