@@ -366,6 +366,7 @@ def eval_(
                 batch_size=batch_size,
                 seed=seed,
                 progress=lambda d, tot: bar.update(job, completed=d, total=tot),
+                chat_template_kwargs=(run_cfg.get("trainer") or {}).get("chat_template_kwargs"),
             )
         except (ValueError, OSError) as e:
             _fail(str(e))
