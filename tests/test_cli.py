@@ -280,6 +280,7 @@ def test_eval_math_reads_a_file_by_path_and_reports_pass_at_1_and_k(tiny_dir, tm
         columns = {k for row in MATH_FIXTURE for k in row}  # a row lacking one holds null
         pq.write_table(pa.table({k: [r.get(k) for r in MATH_FIXTURE] for k in columns}), data)
     args = ["eval", str(tiny_dir), "--task", "math", "--set", f"task_options={{path: {data}}}"]
+    args += ["--set", "chat_template_kwargs={enable_thinking: false}"]  # Qwen3's; others ignore it
     sampling = ["--samples", "2", "--temperature", "1.0", "--max-new-tokens", "4"]
     result = runner.invoke(app, [*args, *sampling, "--n", "3", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -293,10 +294,11 @@ def test_eval_math_reads_a_file_by_path_and_reports_pass_at_1_and_k(tiny_dir, tm
     assert "| pass@2 |" in (tmp_path / "eval_math_test.md").read_text()
 
 
-def test_eval_set_takes_task_options_only(tiny_dir):
+def test_eval_set_takes_task_options_and_chat_template_kwargs_only(tiny_dir):
     result = runner.invoke(app, ["eval", str(tiny_dir), "--set", "learning_rate=1e-6"])
     assert result.exit_code == 2
-    assert "takes task_options only, got ['learning_rate']" in " ".join(result.output.split())
+    words = " ".join(result.output.split())
+    assert "takes task_options and chat_template_kwargs only, got ['learning_rate']" in words
     result = runner.invoke(app, ["eval", str(tiny_dir), "--set", "task_options=data"])
     assert result.exit_code == 2 and "expected a mapping" in result.output
     missing = ["eval", str(tiny_dir), "--task", "math", "--set", "task_options={path: nope.jsonl}"]

@@ -308,7 +308,8 @@ def eval_(
         typer.Option(
             "--set",
             "-s",
-            help="task_options={...}: the task's options, as `gear train` takes them.",
+            help="task_options={...} (the task's options, as `gear train` takes them) or "
+            "chat_template_kwargs={...} (default: the run's; {enable_thinking: false} for Qwen3).",
         ),
     ] = None,
 ) -> None:
@@ -316,7 +317,8 @@ def eval_(
 
     A run that has no final model (it stopped before it finished) is evaluated at its newest
     complete checkpoint, and the output says which. Task options come as in `gear train`
-    (`--set task_options='{path: data/math}'`) or one by one (`--task-option path=data/math`).
+    (`--set task_options='{path: data/math}'`) or one by one (`--task-option path=data/math`);
+    prompts are rendered with the run's `chat_template_kwargs` unless `--set` gives others.
     """
     from rich.progress import (
         BarColumn,
@@ -334,8 +336,12 @@ def eval_(
     path = Path(target)
     model_path, run_cfg, note = evaluation_target(target)  # checked before any model is loaded
     options = dict(run_cfg.get("task_options") or {}) if task in (None, run_cfg.get("task")) else {}
-    options.update(_eval_task_options(set_))
+    settings = _eval_settings(set_)
+    options.update(settings.get("task_options", {}))
     options.update(_overrides(task_option))
+    template_kwargs = settings.get(
+        "chat_template_kwargs", (run_cfg.get("trainer") or {}).get("chat_template_kwargs")
+    )
     task_name = task or run_cfg.get("task") or "arithmetic"
     try:
         t = get_task(task_name, **options)
@@ -366,7 +372,7 @@ def eval_(
                 batch_size=batch_size,
                 seed=seed,
                 progress=lambda d, tot: bar.update(job, completed=d, total=tot),
-                chat_template_kwargs=(run_cfg.get("trainer") or {}).get("chat_template_kwargs"),
+                chat_template_kwargs=template_kwargs,
             )
         except (ValueError, OSError) as e:
             _fail(str(e))
@@ -385,20 +391,23 @@ def eval_(
     console.print(f"wrote {report} and .md")
 
 
-def _eval_task_options(pairs: list[str] | None) -> dict[str, Any]:
-    """The task options `gear eval --set task_options={...}` gives. `--set` takes that key
-    alone: the rest of a run's config does not apply to an evaluation (its own options do)."""
+EVAL_SET_KEYS = ("task_options", "chat_template_kwargs")  # the config keys gear eval reads
+
+
+def _eval_settings(pairs: list[str] | None) -> dict[str, dict[str, Any]]:
+    """The config keys `gear eval --set` gives: `EVAL_SET_KEYS` only (the rest of a run's
+    config does not apply to an evaluation; its own options do), each a mapping."""
     sets = _overrides(pairs)
-    others = sorted(k for k in sets if k != "task_options")
+    others = sorted(k for k in sets if k not in EVAL_SET_KEYS)
     if others:
         _fail(
-            f"gear eval --set takes task_options only, got {others}; the evaluation's settings "
-            "are its options (--n, --samples, --temperature, --max-new-tokens, ...)"
+            f"gear eval --set takes {' and '.join(EVAL_SET_KEYS)} only, got {others}; the "
+            "evaluation's settings are its options (--n, --samples, --temperature, ...)"
         )
-    options = sets.get("task_options") or {}
-    if not isinstance(options, dict):
-        _fail(f"--set task_options: expected a mapping such as '{{path: data}}', got {options!r}")
-    return options
+    for key, value in sets.items():
+        if not isinstance(value, dict):
+            _fail(f"--set {key}: expected a mapping such as '{{path: data}}', got {value!r}")
+    return sets
 
 
 @app.command()
