@@ -429,6 +429,8 @@ def test_math_bad_files_and_options_are_clear_errors(tmp_path):
         get_task("math", path=tmp_path / "nope.jsonl").dataset("test")
     with pytest.raises(InputError, match=r"nope\.parquet: missing"):
         get_task("math", path=tmp_path / "nope.parquet").dataset("test")
+    with pytest.raises(InputError, match=r"math_data: missing: no such file or directory"):
+        get_task("math", path=tmp_path / "math_data").dataset("test")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "p", "answer": "1"}\n\n{not json\n')
     with pytest.raises(InputError, match=r"bad\.jsonl: line 3 is not valid JSON"):
@@ -443,6 +445,7 @@ def test_math_bad_files_and_options_are_clear_errors(tmp_path):
     broken.write_bytes(b"PAR1 not really")
     with pytest.raises(InputError, match=r"broken\.parquet: not a readable parquet file"):
         get_task("math", path=broken).dataset("test")
+    (tmp_path / "data.csv").write_text("problem,answer\np,1\n")
     with pytest.raises(InputError, match=r"data\.csv: unknown file type '\.csv'"):
         get_task("math", path=tmp_path / "data.csv").dataset("test")
     with pytest.raises(ValueError, match=r"prompt_template needs a '\{problem\}'"):

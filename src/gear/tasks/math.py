@@ -251,6 +251,12 @@ class MathTask(Task):
                 "train.jsonl / test.jsonl (or .parquet)"
             )
         path = Path(self.path).expanduser()
+        if not path.exists() and path.suffix not in SUFFIXES:  # a directory not there
+            raise InputError(
+                path,
+                "missing: no such file or directory",
+                "give path= a .jsonl or .parquet file, or a directory with train and test files",
+            )
         if not path.is_dir():
             return path
         found = [path / f"{split}{s}" for s in SUFFIXES if (path / f"{split}{s}").is_file()]
