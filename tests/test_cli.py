@@ -310,6 +310,54 @@ def test_eval_says_when_the_split_has_fewer_problems_than_asked(run_dir, tmp_pat
     assert "has 2 problems" in " ".join(result.output.split())
 
 
+MATH_FIXTURE = [  # written for this test: a MATH-style row (nested braces) and an AIME-style one
+    {"problem": "What is $1 + 1$?", "solution": "$1 + 1 = \\boxed{2}$."},
+    {"problem": "Write one half as a fraction.", "solution": "It is $\\boxed{\\frac{1}{2}}$."},
+    {"question": "How many sides has a square?", "answer": 4},
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_eval_math_reads_a_file_by_path_and_reports_pass_at_1_and_k(tiny_dir, tmp_path, fmt):
+    """Issue 60: `gear eval --task math --set task_options='{path: ...}'` on JSONL and parquet."""
+    from gear.tasks import get_task
+
+    data = tmp_path / f"math.{fmt}"
+    if fmt == "jsonl":
+        data.write_text("".join(json.dumps(r) + "\n" for r in MATH_FIXTURE))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        columns = {k for row in MATH_FIXTURE for k in row}  # a row lacking one holds null
+        pq.write_table(pa.table({k: [r.get(k) for r in MATH_FIXTURE] for k in columns}), data)
+    args = ["eval", str(tiny_dir), "--task", "math", "--set", f"task_options={{path: {data}}}"]
+    args += ["--set", "chat_template_kwargs={enable_thinking: false}"]  # Qwen3's; others ignore it
+    sampling = ["--samples", "2", "--temperature", "1.0", "--max-new-tokens", "4"]
+    result = runner.invoke(app, [*args, *sampling, "--n", "3", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "eval_math_test.json").read_text())
+    assert (report["task"], report["n_problems"], report["samples"]) == ("math", 3, 2)
+    assert 0.0 <= report["pass@1"] <= report["pass@2"] <= 1.0
+    assert sorted(r["answer"] for r in report["rows"]) == ["2", "4", "\\frac{1}{2}"]
+    task = get_task("math")
+    for row in report["rows"]:  # each sample graded as the task grades it
+        assert row["correct"] == [task.is_correct(c, row["answer"]) for c in row["completions"]]
+    assert "| pass@2 |" in (tmp_path / "eval_math_test.md").read_text()
+
+
+def test_eval_set_takes_task_options_and_chat_template_kwargs_only(tiny_dir):
+    result = runner.invoke(app, ["eval", str(tiny_dir), "--set", "learning_rate=1e-6"])
+    assert result.exit_code == 2
+    words = " ".join(result.output.split())
+    assert "takes task_options and chat_template_kwargs only, got ['learning_rate']" in words
+    result = runner.invoke(app, ["eval", str(tiny_dir), "--set", "task_options=data"])
+    assert result.exit_code == 2 and "expected a mapping" in result.output
+    missing = ["eval", str(tiny_dir), "--task", "math", "--set", "task_options={path: nope.jsonl}"]
+    result = runner.invoke(app, missing)
+    assert result.exit_code == 2 and "nope.jsonl: missing" in result.output
+
+
 def test_compare_trains_methods_x_seeds_and_writes_the_report(tiny_dir, tmp_path):
     """2 methods x 2 seeds of 2 steps on the tiny model: the rule first, every run under its
     hash, the report (compare.json, compare.md, compare.png) from the shared analysis; a rerun

@@ -96,6 +96,26 @@ def test_the_before_score_is_cached_only_for_the_embedded_model_and_keyed_by_the
     )
     assert key != eval_cache_key(dataclasses.replace(cfg, task_options={"mix": "1digit"}))
     assert eval_cache_key(dataclasses.replace(cfg, model="/some/model")) is None
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}  # they change the prompts
+    assert key != eval_cache_key(
+        resolve_config(None, {"eval_n": 200, "eval_samples": 8, **no_thinking})
+    )
+
+
+def test_evaluation_renders_prompts_with_the_runs_chat_template_kwargs():
+    """Qwen3 thinks unless `enable_thinking: false` reaches its template: held-out prompts get
+    the kwargs training's prompts get (`chat_template_kwargs`)."""
+    from gear.evaluate import render_prompts
+    from gear.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    )
+    rows = [{"prompt": [{"role": "user", "content": "1 + 1?"}]}]
+    assert render_prompts(tok, rows) == ["1 + 1?"]
+    assert render_prompts(tok, rows, {"enable_thinking": False}) == ["1 + 1?<no-think>"]
 
 
 def test_summary_says_whether_the_run_learned():

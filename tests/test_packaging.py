@@ -30,7 +30,8 @@ def test_recipes_live_in_the_package_and_resolve_by_name():
         cfg = resolve_config(name)  # every value checked against its field's type
         assert cfg.trainer["bf16"] == "auto"
     with pytest.raises(
-        ValueError, match=r"not one of gear's recipes: \['default', 'departure', 'paper', 'study'"
+        ValueError,
+        match=r"not one of gear's recipes: \['default', 'departure', 'paper', 'qwen3_4b_math', 'study'",
     ):
         config_path("nope")
 

@@ -42,7 +42,7 @@ def check_prompts(ds) -> None:
 
 
 def test_registry_and_errors():
-    assert set(TASKS) == {"arithmetic", "gsm8k", "bfcl", "tools"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "math", "bfcl", "tools"}
     with pytest.raises(ValueError, match=r"unknown task 'nope'.*arithmetic"):
         get_task("nope")
     with pytest.raises(ValueError, match=r"unknown option.*'levels'.*valid options: \['mix'\]"):
@@ -58,7 +58,7 @@ def test_registry_and_errors():
         task.dataset("train", n=-1)
     with pytest.raises(ValueError, match="answer"):
         task.reward(["p"], ["Answer: 1"], ground_truth=["x"])
-    assert {t.hint_kind for t in (TASKS["arithmetic"], TASKS["gsm8k"])} == {"math"}
+    assert {t.hint_kind for t in (TASKS["arithmetic"], TASKS["gsm8k"], TASKS["math"])} == {"math"}
     assert {t.hint_kind for t in (TASKS["bfcl"], TASKS["tools"])} == {"tool"}
 
 
@@ -243,6 +243,265 @@ def test_gsm8k_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="offline"):
         get_task("gsm8k", path="openai/gsm8k").dataset("test")
+
+
+# ---------------------------------------------------------------- math
+
+# Problems written for these tests (no benchmark data), one per supported layout.
+MATH_ROWS = [  # MATH: a worked solution whose last \boxed{} is the answer
+    {
+        "problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?",
+        "solution": "Over 4: $\\frac{2}{4} + \\frac{1}{4} = \\boxed{\\frac{3}{4}}$.",
+        "level": "Level 1",
+    },
+    {
+        "problem": "Which real numbers square to 1?",
+        "solution": "Both $1$ and $-1$ do, so the set is $\\boxed{\\{-1, 1\\}}$.",
+    },
+    {
+        "problem": "Compute $2^{10}$.",
+        "solution": "First $2^5 = \\boxed{32}$, so $2^{10} = 32^2 = \\boxed{1024}$.",
+    },
+    {
+        "problem": "Simplify $\\sqrt{8}$.",
+        "solution": "$\\sqrt{8} = \\sqrt{4 \\cdot 2} = \\boxed{2\\sqrt{2}}$",
+    },
+]
+MATH_ANSWERS = ["\\frac{3}{4}", "\\{-1, 1\\}", "1024", "2\\sqrt{2}"]
+AIME_ROWS = [  # AIME: a question and a bare answer, here a number
+    {"question": "How many positive divisors does 36 have?", "answer": 9},
+    {"problem": "What is the remainder of 100 divided by 7?", "answer": "2"},
+]
+DAPO_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+    '\n\n{problem}\n\nRemember to put your answer on its own line after "Answer:".'
+)
+DAPO_ROWS = [  # DAPO-Math-17k (verl's layout): a chat prompt, the answer in reward_model
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": DAPO_INSTRUCTION.format(problem=problem)}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": str(i)},
+    }
+    for i, (problem, answer) in enumerate([("What is 6 times 7?", "42"), ("What is 5 - 8?", "-3")])
+]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_math_reads_math_style_jsonl_answers_from_the_last_box(tmp_path):
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    task = get_task("math", path=path)
+    ds = task.dataset("test", seed=0)
+    check_prompts(ds)
+    by_index = {row["index"]: row for row in ds}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for i, (raw, answer) in enumerate(zip(MATH_ROWS, MATH_ANSWERS, strict=True)):
+        row = by_index[i]
+        assert row["answer"] == answer  # the last box, nested and escaped braces kept whole
+        assert row["ground_truth"] == raw["solution"]  # the teacher sees the worked solution
+        (message,) = row["prompt"]
+        assert message["content"].startswith(raw["problem"]) and "\\boxed{}" in message["content"]
+        assert task.is_correct(raw["solution"], answer)  # a solution grades as correct
+        start, end = task.answer_span(raw["solution"])
+        assert raw["solution"][start:end] == answer
+    assert ds.to_list() == task.dataset("test", seed=0).to_list()
+    assert ds["index"] != task.dataset("test", seed=1)["index"]
+    assert len(task.dataset("train", n=2)) == 2  # one file serves every split
+
+
+def test_math_reads_aime_jsonl_and_dapo_parquet(tmp_path):
+    from gear.teacher import HINT_TEMPLATES, teacher_prompt
+
+    aime = get_task("math", path=write_jsonl(tmp_path / "aime.jsonl", AIME_ROWS))
+    rows = sorted(aime.dataset("test"), key=lambda r: r["index"])
+    assert [r["answer"] for r in rows] == ["9", "2"]
+    assert [r["ground_truth"] for r in rows] == ["9", "2"]  # no solution: the answer alone
+    assert AIME_ROWS[0]["question"] in rows[0]["prompt"][0]["content"]
+
+    dapo = get_task("math", path=write_parquet(tmp_path / "dapo.parquet", DAPO_ROWS))
+    rows = sorted(dapo.dataset("train"), key=lambda r: r["index"])
+    assert [r["prompt"] for r in rows] == [d["prompt"] for d in DAPO_ROWS]  # used as is
+    assert [r["answer"] for r in rows] == ["42", "-3"]
+    hinted = teacher_prompt(rows[0]["prompt"], rows[0]["ground_truth"], HINT_TEMPLATES["math"])
+    assert hinted[-1]["content"].endswith("Here is a reference solution:\n42\n\n"
+                                          "Use it to check your own reasoning, then solve the "
+                                          "problem yourself.")  # fmt: skip
+    completions = ["6 * 7 = 42.\nAnswer: 42", as_messages("Answer: $-3$."), "Answer: 41", "42"]
+    answers = ["42", "-3", "42", "42"]
+    assert dapo.reward([None] * 4, completions, answer=answers) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_math_directory_takes_each_splits_file_in_either_format(tmp_path):
+    write_parquet(tmp_path / "train.parquet", DAPO_ROWS)
+    write_jsonl(tmp_path / "test.jsonl", MATH_ROWS)
+    task = get_task("math", path=tmp_path)
+    assert sorted(task.dataset("train")["answer"]) == ["-3", "42"]
+    assert sorted(task.dataset("test")["answer"]) == sorted(MATH_ANSWERS)
+    write_jsonl(tmp_path / "train.jsonl", AIME_ROWS)
+    with pytest.raises(ValueError, match=r"holds train\.jsonl and train\.parquet"):
+        task.dataset("train")
+    (tmp_path / "test.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"holds neither of test\.jsonl, test\.parquet"):
+        task.dataset("test")
+
+
+def test_math_column_names_are_options_with_dotted_paths(tmp_path):
+    rows = [
+        {"q": "Add 2 and 3.", "meta": {"final": 5}, "work": "2 + 3 = 5"},
+        {"q": "Add 1 and 1.", "meta": {"final": 2}, "work": "1 + 1 = 2"},
+    ]
+    path = write_parquet(tmp_path / "custom.parquet", rows)
+    task = get_task("math", path=path, problem_key="q", answer_key="meta.final",
+                    solution_key="work", prompt_template="Q: {problem}")  # fmt: skip
+    ds = sorted(task.dataset("test"), key=lambda r: r["index"])
+    assert [r["answer"] for r in ds] == ["5", "2"]
+    assert [r["ground_truth"] for r in ds] == ["2 + 3 = 5", "1 + 1 = 2"]
+    assert ds[0]["prompt"] == [{"role": "user", "content": "Q: Add 2 and 3."}]
+    # a field named by an option must be in every row, even where a default one is
+    path = write_jsonl(tmp_path / "named.jsonl", [*AIME_ROWS[1:], {"problem": "p", "answer": 1}])
+    task = get_task("math", path=path, problem_key="question")
+    with pytest.raises(
+        ValueError, match=r"named\.jsonl: line 1 has no field 'question' \(problem_key\)"
+    ):
+        task.dataset("test")
+    # a solution without a box is fine where the row has an answer
+    path = write_jsonl(tmp_path / "both.jsonl", [{"problem": "p", "solution": "s", "answer": "1"}])
+    assert get_task("math", path=path).dataset("test")[0]["ground_truth"] == "s"
+
+
+@pytest.mark.parametrize(
+    ("rows", "error"),
+    [
+        ([{"question": "q", "answer": "1"}, {"text": "q", "answer": "1"}],
+         r"line 2: no problem \(looked for \['problem', 'question', 'prompt'\]\); its fields: \['answer', 'text'\]"),
+        ([{"problem": 7, "answer": "1"}], r"line 1: 'problem' is int 7, expected text or a chat"),
+        ([{"problem": "  ", "answer": "1"}], r"line 1: 'problem' is str"),
+        ([{"prompt": [{"role": "system", "content": "hi"}], "answer": "1"}], r"line 1: 'prompt' is list"),
+        ([{"problem": "p"}], r"line 1: no answer \(looked for \['answer', 'reward_model.ground_truth'\]"),
+        ([{"problem": "p", "solution": "it is 4"}], r"line 1: no answer field, and its 'solution' has no closed"),
+        ([{"problem": "p", "solution": "so \\boxed{4} or \\boxed{\\frac{1}{2}"}], r"line 1: .*no closed"),
+        ([{"problem": "p", "solution": ""}], r"line 1: 'solution' is '', expected the text"),
+        ([{"problem": "p", "answer": ["1", "2"]}], r"line 1: 'answer' is \['1', '2'\]"),
+        ([{"problem": "p", "answer": True}], r"line 1: 'answer' is True"),
+        ([{"problem": "p", "answer": " "}], r"line 1: 'answer' is ' '"),
+        ([{"problem": "p", "reward_model": {"ground_truth": {}}}], r"line 1: 'reward_model.ground_truth' is \{\}"),
+    ],
+)  # fmt: skip
+def test_math_bad_rows_are_errors_naming_the_file_and_the_row(tmp_path, rows, error):
+    from gear.inputs import InputError
+
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(InputError, match=f"bad\\.jsonl: {error}"):
+        get_task("math", path=path).dataset("test", n=0)  # every row is checked, not only n
+
+
+def test_math_parquet_errors_name_the_row_from_0(tmp_path):
+    from gear.inputs import InputError
+
+    rows = [{"problem": "p", "answer": "1"}, {"problem": "q", "answer": None}]
+    path = write_parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(
+        InputError, match=r"bad\.parquet: row 1: no answer .*its fields: \[.problem.\];"
+    ):
+        get_task("math", path=path).dataset("test")
+
+
+def test_math_bad_files_and_options_are_clear_errors(tmp_path):
+    from gear.inputs import InputError
+
+    with pytest.raises(ValueError, match="math needs the option path="):
+        get_task("math").dataset("test")
+    with pytest.raises(InputError, match=r"nope\.jsonl: missing"):
+        get_task("math", path=tmp_path / "nope.jsonl").dataset("test")
+    with pytest.raises(InputError, match=r"nope\.parquet: missing"):
+        get_task("math", path=tmp_path / "nope.parquet").dataset("test")
+    with pytest.raises(InputError, match=r"math_data: missing: no such file or directory"):
+        get_task("math", path=tmp_path / "math_data").dataset("test")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "p", "answer": "1"}\n\n{not json\n')
+    with pytest.raises(InputError, match=r"bad\.jsonl: line 3 is not valid JSON"):
+        get_task("math", path=bad).dataset("test")
+    bad.write_text('{"problem": "p", "answer": "1"}\n["p", "1"]\n')
+    with pytest.raises(InputError, match=r"bad\.jsonl: line 2 is a JSON list, expected an object"):
+        get_task("math", path=bad).dataset("test")
+    bad.write_text("\n")
+    with pytest.raises(InputError, match=r"bad\.jsonl: holds no rows"):
+        get_task("math", path=bad).dataset("test")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    with pytest.raises(InputError, match=r"broken\.parquet: not a readable parquet file"):
+        get_task("math", path=broken).dataset("test")
+    (tmp_path / "data.csv").write_text("problem,answer\np,1\n")
+    with pytest.raises(InputError, match=r"data\.csv: unknown file type '\.csv'"):
+        get_task("math", path=tmp_path / "data.csv").dataset("test")
+    with pytest.raises(ValueError, match=r"prompt_template needs a '\{problem\}'"):
+        get_task("math", prompt_template="Solve it.")
+    with pytest.raises(ValueError, match=r"answer_key must be a field name, got 3"):
+        get_task("math", answer_key=3)
+    with pytest.raises(ValueError, match=r"valid options: \['path', 'problem_key'"):
+        get_task("math", column="x")
+
+
+def test_math_boxes_close_over_nested_and_escaped_braces():
+    from gear.tasks.math import boxed_spans, last_boxed
+
+    text = "\\boxed{\\frac{\\sqrt{2}}{2}} and \\fbox{\\{1\\}} then \\boxed 7$ and \\boxed{3"
+    spans = boxed_spans(text)
+    assert [text[s[0] : s[1]] if s else None for s in spans] == [
+        "\\frac{\\sqrt{2}}{2}", "\\{1\\}", "7", None
+    ]  # fmt: skip
+    assert last_boxed(text) is None  # the last box never closes
+    assert last_boxed("$\\boxed{ \\left\\{ x \\right. }$") == "\\left\\{ x \\right."
+    assert last_boxed("no box") is None and last_boxed("\\boxed{}") is None
+
+
+def test_math_grades_the_final_answer_by_math_verify_where_the_span_says():
+    task = get_task("math")  # grading needs no data
+    cases = [  # (completion, reference, correct, the span's text)
+        ("so $x = \\boxed{\\dfrac34}$.", "\\frac{3}{4}", True, "\\dfrac34"),
+        ("\\boxed{0.75}", "\\frac{3}{4}", True, "0.75"),
+        ("\\boxed{\\{1, -1\\}}", "\\{-1, 1\\}", True, "\\{1, -1\\}"),
+        ("\\boxed{2\\sqrt2}", "2\\sqrt{2}", True, "2\\sqrt2"),
+        ("\\boxed{\\text{(C)}}", "C", True, "\\text{(C)}"),
+        ("First 3, then\nAnswer: $x = 5$.", "5", True, "x = 5"),
+        ("The final answer is **9**.", "9", True, "9"),
+        ("Answer: 41", "42", False, "41"),
+        ("\\boxed{41} no, \\boxed{42}", "42", True, "42"),
+        ("\\boxed{42} no, \\boxed{4", "42", False, None),  # cut short: no final answer
+        ("it is 42", "42", False, None),  # no box and no marker: not graded as an answer
+        ("the answers are 42", "42", False, None),
+    ]
+    for text, reference, correct, span_text in cases:
+        assert task.is_correct(text, reference) is correct, text
+        span = task.answer_span(text)
+        assert (None if span is None else text[span[0] : span[1]]) == span_text, text
+
+
+def test_math_rows_feed_verl_and_its_reward(tmp_path):
+    from gear.integrations.verl.data import verl_rows
+    from gear.integrations.verl.rewards import compute_score
+
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS[:1])
+    (row,) = verl_rows("math", "train", path=str(path))
+    assert row["data_source"] == "gear/math"
+    assert row["reward_model"]["ground_truth"] == "\\frac{3}{4}"
+    assert row["extra_info"]["ground_truth"] == MATH_ROWS[0]["solution"]
+    assert compute_score("gear/math", "so \\boxed{3/4}", "\\frac{3}{4}") == 1.0
+    assert compute_score("gear/math", "so \\boxed{1/4}", "\\frac{3}{4}") == 0.0
 
 
 # ---------------------------------------------------------------- bfcl

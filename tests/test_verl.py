@@ -608,13 +608,19 @@ def test_example_configs_compose_and_validate():
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    for name in ("qwen3_4b_gsm8k", "qwen3_4b_tools_multiturn"):
+    for name in ("qwen3_4b_gsm8k", "qwen3_4b_math", "qwen3_4b_tools_multiturn"):
         cfg = compose(name)
         s = validate_verl_config(cfg)
         assert (s.estimator, s.gear.ground_truth_field) == ("gear", "extra_info.ground_truth")
         validate_config(
             cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg)
         )
+    math = compose("qwen3_4b_math")  # its own data and lengths over the shared settings
+    assert math.data.train_files.endswith("gear_math/train.parquet")
+    assert (math.data.max_response_length, math.actor_rollout_ref.model.path) == (
+        4096,
+        "Qwen/Qwen3-4B",
+    )
     cfg = compose("qwen3_4b_tools_multiturn", ["algorithm.adv_estimator=gear_turn"])
     assert (
         cfg.actor_rollout_ref.rollout.multi_turn.enable

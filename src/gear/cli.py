@@ -197,7 +197,9 @@ def train(
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
     ] = None,
-    task: Annotated[str | None, typer.Option(help="arithmetic | gsm8k | bfcl | tools")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="arithmetic | gsm8k | math | bfcl | tools")
+    ] = None,
     method: Annotated[
         str | None, typer.Option(help="Credit method (gear, grpo, gear_token, rlsd, ...).")
     ] = None,
@@ -302,11 +304,22 @@ def eval_(
     out: Annotated[
         Path | None, typer.Option(help="Output directory (default: the run directory or .)")
     ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            "-s",
+            help="task_options={...} (the task's options, as `gear train` takes them) or "
+            "chat_template_kwargs={...} (default: the run's; {enable_thinking: false} for Qwen3).",
+        ),
+    ] = None,
 ) -> None:
     """pass@1 / pass@k of a model or a run's final model on a task split (JSON + Markdown).
 
     A run that has no final model (it stopped before it finished) is evaluated at its newest
-    complete checkpoint, and the output says which.
+    complete checkpoint, and the output says which. Task options come as in `gear train`
+    (`--set task_options='{path: data/math}'`) or one by one (`--task-option path=data/math`);
+    prompts are rendered with the run's `chat_template_kwargs` unless `--set` gives others.
     """
     from rich.progress import (
         BarColumn,
@@ -324,7 +337,12 @@ def eval_(
     path = Path(target)
     model_path, run_cfg, note = evaluation_target(target)  # checked before any model is loaded
     options = dict(run_cfg.get("task_options") or {}) if task in (None, run_cfg.get("task")) else {}
+    settings = _eval_settings(set_)
+    options.update(settings.get("task_options", {}))
     options.update(_overrides(task_option))
+    template_kwargs = settings.get(
+        "chat_template_kwargs", (run_cfg.get("trainer") or {}).get("chat_template_kwargs")
+    )
     task_name = task or run_cfg.get("task") or "arithmetic"
     try:
         t = get_task(task_name, **options)
@@ -355,6 +373,7 @@ def eval_(
                 batch_size=batch_size,
                 seed=seed,
                 progress=lambda d, tot: bar.update(job, completed=d, total=tot),
+                chat_template_kwargs=template_kwargs,
             )
         except (ValueError, OSError) as e:
             _fail(str(e))
@@ -371,6 +390,25 @@ def eval_(
             f"were evaluated (--n asked for {n})"
         )
     console.print(f"wrote {report} and .md")
+
+
+EVAL_SET_KEYS = ("task_options", "chat_template_kwargs")  # the config keys gear eval reads
+
+
+def _eval_settings(pairs: list[str] | None) -> dict[str, dict[str, Any]]:
+    """The config keys `gear eval --set` gives: `EVAL_SET_KEYS` only (the rest of a run's
+    config does not apply to an evaluation; its own options do), each a mapping."""
+    sets = _overrides(pairs)
+    others = sorted(k for k in sets if k not in EVAL_SET_KEYS)
+    if others:
+        _fail(
+            f"gear eval --set takes {' and '.join(EVAL_SET_KEYS)} only, got {others}; the "
+            "evaluation's settings are its options (--n, --samples, --temperature, ...)"
+        )
+    for key, value in sets.items():
+        if not isinstance(value, dict):
+            _fail(f"--set {key}: expected a mapping such as '{{path: data}}', got {value!r}")
+    return sets
 
 
 @app.command()
@@ -497,7 +535,9 @@ def compare(
     model: Annotated[
         str | None, typer.Option(help="'smollm2' (embedded) or a HF model id / path.")
     ] = None,
-    task: Annotated[str | None, typer.Option(help="arithmetic | gsm8k | bfcl | tools")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="arithmetic | gsm8k | math | bfcl | tools")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="Steps per run (same for all).")] = None,
     baseline: Annotated[
         str, typer.Option(help="The arm (its name) the others are compared to.")

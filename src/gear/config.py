@@ -46,7 +46,7 @@ class RunConfig:
     (gear.constraints) says which values it takes beyond its type."""
 
     model: str = _field("smollm2", "'smollm2' (embedded) or a HF id/path.")
-    task: str = _field("arithmetic", "arithmetic | gsm8k | bfcl | tools")
+    task: str = _field("arithmetic", "arithmetic | gsm8k | math | bfcl | tools")
     task_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "Task options."})
     train_size: int | None = _field(
         None, "Training prompts (None: task default).", Check(ge=1, also=(None,))

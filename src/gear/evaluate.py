@@ -70,11 +70,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def render_prompts(tokenizer: Any, rows: list[dict[str, Any]]) -> list[str]:
-    """Chat-template each row's prompt (with its tools, if any) ready for generation."""
+def render_prompts(
+    tokenizer: Any, rows: list[dict[str, Any]], chat_template_kwargs: dict | None = None
+) -> list[str]:
+    """Chat-template each row's prompt (with its tools, if any) ready for generation, with
+    `chat_template_kwargs` as training renders them (Qwen3's `enable_thinking: false`)."""
     texts = []
     for row in rows:
-        kwargs = {"tools": row["tools"]} if row.get("tools") else {}
+        kwargs = dict(chat_template_kwargs or {})
+        if row.get("tools"):
+            kwargs["tools"] = row["tools"]
         texts.append(
             tokenizer.apply_chat_template(
                 row["prompt"], tokenize=False, add_generation_prompt=True, **kwargs
@@ -122,6 +127,7 @@ def evaluate(
     batch_size: int = 16,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> EvalResult:
     """Score `model` on `n` problems of `task`'s `split`.
 
@@ -129,6 +135,8 @@ def evaluate(
         samples: completions per problem (k of pass@k runs over 1, 2, 4, ... up to it).
         temperature: 0 = greedy (then samples must be 1).
         progress: called as progress(done, total) after each batch.
+        chat_template_kwargs: passed to the chat template (a run's trainer setting of that
+            name, so evaluation sees the prompts training saw).
     """
     if samples < 1:
         raise ValueError(f"samples: expected an integer >= 1, got {samples}")
@@ -145,7 +153,7 @@ def evaluate(
             outs = generate(
                 model,
                 tokenizer,
-                render_prompts(tokenizer, batch),
+                render_prompts(tokenizer, batch, chat_template_kwargs),
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 num_return_sequences=samples,
@@ -296,6 +304,7 @@ def _evaluate_with_progress(
             max_new_tokens=cfg.eval_max_new_tokens,
             batch_size=cfg.eval_batch_size,
             seed=getattr(cfg, "eval_seed", 0),
+            chat_template_kwargs=cfg.trainer.get("chat_template_kwargs"),
             progress=(lambda done, total: bar.update(job, completed=done, total=total))
             if bar
             else None,
@@ -392,6 +401,8 @@ def eval_cache_key(cfg: RunConfig) -> str | None:
         "torch": torch.__version__,
         "version": EVAL_VERSION,
     }
+    if cfg.trainer.get("chat_template_kwargs"):  # they change the prompts; absent: keys as before
+        parts["chat_template_kwargs"] = cfg.trainer["chat_template_kwargs"]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -5,7 +5,8 @@
     ds = task.dataset("train", n=100, seed=0)   # prompt, ground_truth, answer (+ tools)
     rewards = task.reward(prompts, completions, answer=ds["answer"])
 
-Tasks: ``arithmetic`` (procedural), ``gsm8k`` (JSONL), ``bfcl`` (BFCL v4 function calling),
+Tasks: ``arithmetic`` (procedural), ``gsm8k`` (JSONL), ``math`` (MATH / AIME / DAPO-style JSONL or
+parquet), ``bfcl`` (BFCL v4 function calling),
 ``tools`` (multi-turn calculator/stock lookup through TRL's ``environment_factory``).
 """
 
@@ -18,11 +19,13 @@ from gear.tasks.arithmetic import ArithmeticTask
 from gear.tasks.base import SPLITS, Task, completion_text, final_answer
 from gear.tasks.bfcl import BFCLTask
 from gear.tasks.gsm8k import GSM8KTask
+from gear.tasks.math import MathTask
 from gear.tasks.tools import ToolEnv, ToolsTask
 
 TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "gsm8k": GSM8KTask,
+    "math": MathTask,
     "bfcl": BFCLTask,
     "tools": ToolsTask,
 }
@@ -46,6 +49,7 @@ __all__ = [
     "ArithmeticTask",
     "BFCLTask",
     "GSM8KTask",
+    "MathTask",
     "Task",
     "ToolEnv",
     "ToolsTask",

@@ -1,6 +1,7 @@
 """gear's tasks as verl RL parquet files::
 
     python -m gear.integrations.verl.data --task gsm8k --option path=/data/gsm8k --out ~/data/gear_gsm8k
+    python -m gear.integrations.verl.data --task math --option path=/data/math --out ~/data/gear_math
     python -m gear.integrations.verl.data --task tools --out ~/data/gear_tools
 
 writes ``train.parquet`` and ``test.parquet`` with verl's RL columns:
@@ -68,7 +69,9 @@ def write_parquet(rows: list[dict], path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", required=True, help="a gear task: gsm8k, tools, arithmetic, bfcl")
+    ap.add_argument(
+        "--task", required=True, help="a gear task: gsm8k, math, tools, arithmetic, bfcl"
+    )
     ap.add_argument("--out", required=True, help="output directory (train.parquet, test.parquet)")
     ap.add_argument(
         "--option", action="append", default=[], help="task option KEY=VALUE (repeatable)"
