@@ -35,9 +35,11 @@ saves).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,8 +154,30 @@ def train(
     from gear.run_callbacks import stop_signals
 
     run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
-    with stop_signals(run_dir) as stop:
+    with stop_signals(run_dir) as stop, cpu_threads(cfg, console):
         return _train(cfg, run_dir, resume, console, stop)
+
+
+@contextlib.contextmanager
+def cpu_threads(cfg: RunConfig, console: Any = None) -> Iterator[None]:
+    """On a CPU run, the threads the cores free now allow (`gear.threads`), said in the log and
+    restored afterwards; on a GPU run nothing changes."""
+    import torch
+
+    from gear.config import _on_cpu
+    from gear.threads import apply, choose_threads
+
+    if not _on_cpu(cfg):
+        yield
+        return
+    before = torch.get_num_threads()
+    threads = choose_threads()
+    _say(console, f"threads: {threads.reason}")
+    apply(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _say(console: Any, message: str) -> None:
@@ -168,6 +192,7 @@ SUMMARY_TODO = (
 
 
 def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any) -> Path:
+    import torch
     from transformers.trainer_callback import PrinterCallback
 
     from gear.config import (
@@ -233,6 +258,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         steps=args.max_steps,
         seed=cfg.seed,
         precision=f"{precision.name} ({precision.capability})",
+        threads=torch.get_num_threads(),
     )
     if cfg.eval_n and "eval_before" not in summary:
         summary["eval_before"] = cached_eval_before(cfg, console)
