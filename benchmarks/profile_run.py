@@ -50,7 +50,7 @@ TIMED = {
     "credit_record": "gear.integrations.trl.trainer:GEARTrainer._maybe_write_credit_record",
     "loss_forward": "gear.integrations.trl.trainer:GEARTrainer._compute_loss",
     "backward": "accelerate.accelerator:Accelerator.backward",
-    "optimizer": "accelerate.optimizer:AcceleratedOptimizer.step",
+    "optimizer": "torch.optim.adamw:AdamW.step",
     "checkpoint": "gear.integrations.trl.trainer:GEARTrainer._save_checkpoint",
 }
 PARENT = {
@@ -96,15 +96,15 @@ class Timers:
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if phase == "step":  # every phase until the next step is this step's
+                timers.step = args[0].state.global_step
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 # _evaluate_with_progress(model, tokenizer, task, cfg, console, label, samples, T)
                 info = {"samples": args[6]} if phase == "eval" else {}
-                trainer = args[0] if args else None
-                step = getattr(getattr(trainer, "state", None), "global_step", timers.step)
-                timers.calls[phase].append((step, time.perf_counter() - t0, info))
+                timers.calls[phase].append((timers.step, time.perf_counter() - t0, info))
 
         return timed
 
