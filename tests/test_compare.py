@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
-from scipy import stats
+from scipy import integrate, optimize, stats
 
 from gear import compare as study
-from gear.evidence import compare_arms, n_for_power, paired, seeds_to_plan, verdict
+from gear.evidence import (
+    compare_arms,
+    mde,
+    n_for_power,
+    paired,
+    power_at,
+    seeds_to_plan,
+    verdict,
+)
 
 BEFORE = 0.30
 BASE = [0.62, 0.70, 0.66, 0.74, 0.68, 0.71]  # grpo after training: the gate passes
@@ -367,3 +377,49 @@ def test_an_arm_is_a_method_with_its_own_settings():
             study.parse_arm(bad)
     with pytest.raises(ValueError, match="two arms are named 'a'"):
         study.parse_arms(["a=gear", "a=grpo"])
+
+
+# ------------------------------------------------------------------ issue 59: never mislead
+
+
+def power_by_integration(effect: float, sd: float, n: int, alpha: float) -> float:
+    """Power of the two-sided paired t-test without the noncentral t: the normal tails of the
+    mean, integrated over the distribution of the sample SD (sigma * chi(n-1) / sqrt(n-1))."""
+    df = n - 1
+    c = stats.t.ppf(1 - alpha / 2, df)
+    delta = effect * np.sqrt(n) / sd
+
+    def tails(x: float) -> float:
+        s = x / np.sqrt(df)
+        return (stats.norm.sf(c * s - delta) + stats.norm.cdf(-c * s - delta)) * stats.chi.pdf(
+            x, df
+        )
+
+    return integrate.quad(tails, 0, np.inf, limit=200)[0]
+
+
+def solve_mde(power, sd: float, n: int, alpha: float) -> float:
+    """The effect at which `power` is 0.8, by brentq on a bracket grown until it holds it."""
+    hi = sd
+    while power(hi, sd, n, alpha) < 0.8:
+        hi *= 2
+    return optimize.brentq(lambda e: power(e, sd, n, alpha) - 0.8, 0.0, hi, xtol=1e-12)
+
+
+def test_the_mde_is_the_effect_with_80_percent_power_however_many_sds_it_is():
+    """With 2 pairs and a Bonferroni alpha the MDE is 23-46 SD; the bisection's bracket once
+    stopped at 20 SD and printed its edge (issue 59, item 1)."""
+    for n in (2, 3, 5):
+        for k in (1, 2, 3, 4):
+            alpha = 0.05 / k
+            ours = mde(0.01, n, alpha)
+            assert ours == pytest.approx(solve_mde(power_by_integration, 0.01, n, alpha), rel=1e-5)
+            assert power_at(ours, 0.01, n, alpha) == pytest.approx(0.8, abs=1e-9)
+    assert mde(1.0, 2, 0.05 / 4) == pytest.approx(46.0, abs=0.5)
+    # the verdict's "would have been found with 80% power" holds at the printed gain
+    grpo = [0.66, 0.67]  # learns on both seeds: the gate passes with 2
+    runs = {"grpo": arm(grpo), "gear": arm([0.71, 0.66]), "rlsd": arm([0.60, 0.72])}
+    sentence = verdict(analyse(runs))
+    printed = float(re.search(r"a gain of \+([0-9.]+) or more would have been", sentence)[1])
+    sds = [paired(after, grpo)["sd"] for after in ([0.71, 0.66], [0.60, 0.72])]
+    assert power_by_integration(printed, max(sds), 2, 0.05 / 2) == pytest.approx(0.8, abs=2e-3)
