@@ -108,7 +108,8 @@ def test_a_failed_gate_blocks_every_comparison():
     assert out["comparisons"]["gear"]["bonferroni"]["ci"][0] > 0  # the interval is reported
     assert out["beats_baseline"] == [] and out["below_baseline"] == []
     sentence = verdict(out)
-    assert sentence.startswith("grpo did not learn here (after - before")
+    # the interval holds 0: the data cannot tell whether grpo learns (issue 59)
+    assert sentence.startswith("cannot tell whether grpo learns here (after - before")
     assert sentence.endswith("no comparison") and "paired interval above 0" in sentence
 
 
@@ -145,12 +146,13 @@ def test_a_method_below_the_baseline_is_named():
 
 
 def test_plan_needs_the_seeds_of_a_paired_t_test_with_80_percent_power():
-    runs = {"grpo": arm(BASE[:3]), "gear": arm(shifted(NOISE)[:3]), "rlsd": arm(BASE[:3])}
+    runs = {"grpo": arm(BASE[:3]), "gear": arm(shifted(NOISE)[:3]),
+            "rlsd": arm(shifted(GAIN)[:3])}  # fmt: skip
     p = seeds_to_plan(runs, "grpo", 0.05)
     sd = paired(shifted(NOISE)[:3], BASE[:3])["sd"]
     assert p["candidates"]["gear"]["pairs"] == 3
     assert p["candidates"]["gear"]["seeds"] == n_for_power(0.05, sd, 0.05 / 2)
-    assert p["candidates"]["rlsd"]["seeds"] == 2  # no spread at all: 2 pairs show any gain
+    assert p["candidates"]["rlsd"]["seeds"] < p["candidates"]["gear"]["seeds"]
     assert p["seeds"] == p["candidates"]["gear"]["seeds"]
     gain = paired(BASE[:3], [BEFORE] * 3)
     assert p["gate"]["seeds"] == n_for_power(gain["mean"], gain["sd"], 0.05) < p["seeds"]
@@ -158,12 +160,12 @@ def test_plan_needs_the_seeds_of_a_paired_t_test_with_80_percent_power():
     flat = {"grpo": arm([0.29, 0.30, 0.28]), "gear": arm([0.31, 0.33, 0.30])}
     assert seeds_to_plan(flat, "grpo", 0.05)["seeds"] is None
     # a baseline that gained, unevenly: the gate needs more seeds than the comparison
-    uneven = {"grpo": arm([0.65, 0.31, 0.60]), "gear": arm([0.66, 0.32, 0.61])}
+    uneven = {"grpo": arm([0.65, 0.31, 0.60]), "gear": arm([0.66, 0.33, 0.60])}
     p = seeds_to_plan(uneven, "grpo", 0.05)
-    assert p["candidates"]["gear"]["seeds"] == 2 and p["seeds"] == p["gate"]["seeds"] > 2
+    assert p["candidates"]["gear"]["seeds"] < p["seeds"] == p["gate"]["seeds"]
     # twice the effect needs fewer seeds
     assert seeds_to_plan(runs, "grpo", 0.1)["seeds"] < p["seeds"]
-    with pytest.raises(ValueError, match="a gain above 0"):
+    with pytest.raises(ValueError, match="a finite gain above 0"):
         seeds_to_plan(runs, "grpo", 0.0)
 
 
@@ -423,3 +425,67 @@ def test_the_mde_is_the_effect_with_80_percent_power_however_many_sds_it_is():
     printed = float(re.search(r"a gain of \+([0-9.]+) or more would have been", sentence)[1])
     sds = [paired(after, grpo)["sd"] for after in ([0.71, 0.66], [0.60, 0.72])]
     assert power_by_integration(printed, max(sds), 2, 0.05 / 2) == pytest.approx(0.8, abs=2e-3)
+
+
+def test_a_verdict_gives_why_no_winner_may_be_called_whatever_its_outcome():
+    """`no_winner` was said only where a winner was due (issue 59, item 4)."""
+    below = analyse({"grpo": arm(BASE), "gear": arm(shifted([-g for g in GAIN]))})
+    null = analyse({"grpo": arm(BASE), "gear": arm(shifted(NOISE))})
+    flat = analyse({"grpo": arm([0.31, 0.29, 0.30]), "gear": arm([0.32, 0.30, 0.33])})
+    for out, then in [(below, "no method beats grpo"), (null, "no method beats grpo"),
+                      (flat, "cannot tell whether grpo learns here")]:  # fmt: skip
+        assert verdict(out, "the rule changed").startswith(
+            f"no winner is called: the rule changed; {then}"
+        )
+    assert verdict(below, "the rule changed").endswith(verdict(below))
+
+
+def test_the_gate_says_cannot_tell_unless_the_data_exclude_learning():
+    """ "grpo did not learn here" was said with one seed, and of any interval holding 0 (issue
+    59, item 8)."""
+    one = analyse({"grpo": arm([0.25]), "gear": arm([0.3])})
+    assert verdict(one).startswith("cannot tell whether grpo learns here (1 seed(s): no interval")
+    holds = analyse({"grpo": arm([0.31, 0.29, 0.30]), "gear": arm([0.3] * 3)})
+    g = holds["gate"]["paired"]
+    assert g["ci"][0] < 0 < g["ci"][1]
+    assert verdict(holds).startswith(
+        f"cannot tell whether grpo learns here (after - before {g['mean']:+.3f} "
+        f"[{g['ci'][0]:+.3f}, {g['ci'][1]:+.3f}], 95%, n = 3 seeds; failed:"
+    )
+    fell = analyse({"grpo": arm([0.20, 0.22, 0.21]), "gear": arm([0.3] * 3)})
+    assert fell["gate"]["paired"]["ci"][1] < 0
+    assert verdict(fell).startswith("grpo did not learn here (after - before -0.090 [")
+
+
+def test_the_gates_trend_check_is_an_interval_on_the_slope_per_step():
+    """One seed whose reward climbs and three whose reward sags: the mean slope is above 0, but
+    the seeds do not agree (issue 59, item 9)."""
+    from gear.evidence import learning_gate
+    from gear.evidence.gate import TREND_CHECKS
+
+    rewards = [[0.1, 0.5, 0.9], [0.40, 0.39, 0.38], [0.50, 0.49, 0.47], [0.30, 0.30, 0.29]]
+    steps = [[5, 10, 15]] * 4  # logged every 5 steps
+    kw = dict(before=[0.3] * 4, after=[0.6, 0.62, 0.61, 0.63], rewards=rewards, min_seeds=2)
+    mean = learning_gate(**kw)
+    assert mean["checks"][TREND_CHECKS["mean"]]  # issue 35's rule: the sign of the mean
+    gate = learning_gate(**kw, steps=steps, trend="interval")
+    assert not gate["checks"][TREND_CHECKS["interval"]] and not gate["passed"]
+    slopes = [stats.linregress(x, r).slope for x, r in zip(steps, rewards, strict=True)]
+    got = gate["reward_slope"]
+    assert got["n"] == 4 and got["mean"] == pytest.approx(np.mean(slopes))
+    assert got["ci"] == pytest.approx(stats.t.interval(0.95, 3, np.mean(slopes), stats.sem(slopes)))
+    assert gate["reward_slope"]["mean"] == pytest.approx(mean["reward_slope"]["mean"] / 5)
+
+
+def test_seeds_cannot_be_planned_from_differences_without_spread():
+    """Identical differences gave "2 seeds": an SD of 0 from a pilot is no estimate (issue 59,
+    item 9)."""
+    runs = {"grpo": arm(BASE), "gear": arm(shifted([0.2] * 6))}
+    assert 0 < paired(shifted([0.2] * 6), BASE)["sd"] < 1e-15  # the same up to float rounding
+    p = seeds_to_plan(runs, "grpo", 0.05)
+    assert p["candidates"]["gear"]["no_spread"] and p["candidates"]["gear"]["seeds"] is None
+    assert p["seeds"] is None
+    # the gate's gain too
+    same = {"grpo": arm([0.6] * 3), "gear": arm([0.61, 0.64, 0.6])}
+    p = seeds_to_plan(same, "grpo", 0.05)
+    assert p["gate"]["no_spread"] and p["gate"]["seeds"] is None and p["seeds"] is None
