@@ -8,6 +8,7 @@ gear eval runs/arithmetic-gear-seed0-... --n 200
 gear inspect runs/arithmetic-gear-seed0-...
 gear compare --methods grpo --methods gear --seeds 0 --seeds 1 --seeds 2   # does gear beat grpo?
 gear compare --plan --effect 0.05                                          # seeds needed, from a pilot
+gear compare --report                                                      # the report, no training
 ```
 """
 
