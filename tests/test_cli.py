@@ -400,6 +400,140 @@ def test_compare_trains_methods_x_seeds_and_writes_the_report(tiny_dir, tmp_path
     assert "gear: 2 pairs" in plan.output
 
 
+def finished_run(run_dir: Path, seed: int, after: float, before: float = 0.3) -> None:
+    """What a finished `gear train` run leaves for the report (summary.json, metrics.jsonl)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ev = {"pass@1": 0.5, "n_problems": 200}
+    (run_dir / "summary.json").write_text(json.dumps({
+        "seed": seed,
+        "eval_before": ev | {"mean_reward": before},
+        "eval_after": ev | {"mean_reward": after},
+    }))  # fmt: skip
+    (run_dir / "config.yaml").write_text("model: tiny\n")
+    rows = [{"step": i + 1, "reward": 0.2 + 0.1 * i} for i in range(3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+AFTER = {"grpo": [0.62, 0.70, 0.66], "gear": [0.70, 0.81, 0.77], "rlsd": [0.63, 0.68, 0.69]}
+
+
+def fake_train(fail: dict[str, Exception]):
+    """gear.run.train's stand-in: each run finishes at once (AFTER), or raises as `fail` says."""
+
+    def train(cfg, run_dir, resume, console):
+        run_dir = Path(run_dir)
+        if run_dir.name in fail:
+            raise fail[run_dir.name]
+        arm, seed = run_dir.name.rsplit("-seed", 1)
+        finished_run(run_dir, int(seed), AFTER[arm][int(seed)])
+
+    return train
+
+
+STUDY = ["compare", "--methods", "grpo", "--methods", "gear", "--methods", "rlsd", "--seeds",
+         "0", "--seeds", "1", "--seeds", "2"]  # fmt: skip
+
+
+def test_compare_goes_on_after_a_failed_run_and_names_it(tmp_path, monkeypatch):
+    """One arm's run raising ended the whole study with a traceback: no later run, no report
+    (issue 59, item 7). Now it is logged in its run directory, the study goes on, the report
+    names it, and the command exits 1; --report writes the report without training."""
+    out = tmp_path / "study"
+    monkeypatch.setattr("gear.run.train", fake_train({"gear-seed0": RuntimeError("NaN loss")}))
+    result = runner.invoke(app, [*STUDY, "--out", str(out)])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "gear-seed0 failed: RuntimeError: NaN loss" in text and "the study goes on" in text
+    assert "Traceback" in (out / "gear-seed0" / "error.log").read_text()
+    for name in ("grpo-seed2", "gear-seed1", "gear-seed2", "rlsd-seed2"):  # the later runs ran
+        assert (out / name / "summary.json").is_file()
+    report = json.loads((out / "compare.json").read_text())
+    assert report["failed"] == {"gear-seed0": "RuntimeError: NaN loss"}
+    assert "gear-seed0 failed: RuntimeError: NaN loss" in report["verdict"]
+    assert "1 run(s) failed: gear-seed0" in text
+    # report only: trains nothing, writes the report of what exists (a failed run: exit 1)
+    (out / "compare.json").unlink()
+    monkeypatch.setattr("gear.run.train", fake_train({"gear-seed0": AssertionError("trained")}))
+    again = runner.invoke(app, ["compare", "--report", "--out", str(out)])
+    assert again.exit_code == 1, again.output
+    assert "gear-seed0 failed" in " ".join(again.output.split())
+    assert json.loads((out / "compare.json").read_text())["verdict"] == report["verdict"]
+    # the same command retries the failed run; once it finishes the study is whole
+    monkeypatch.setattr("gear.run.train", fake_train({}))
+    retry = runner.invoke(app, [*STUDY, "--out", str(out)])
+    assert retry.exit_code == 0, retry.output
+    assert not (out / "gear-seed0" / "error.log").exists()
+    assert json.loads((out / "compare.json").read_text())["failed"] == {}
+    assert runner.invoke(app, ["compare", "--report", "--out", str(out)]).exit_code == 0
+
+
+def test_compare_after_sigterm_gives_one_instruction(tmp_path, monkeypatch):
+    """A stopped run said `gear train --resume RUN` and then `run the same gear compare again`:
+    two instructions, the first of which leaves the study (issue 59, item 9)."""
+    import signal
+
+    from gear.run_callbacks import RunStopped
+
+    out = tmp_path / "study"
+    stop = RunStopped(signal.SIGTERM, out / "gear-seed0", out / "gear-seed0" / "checkpoint-2")
+    monkeypatch.setattr("gear.run.train", fake_train({"gear-seed0": stop}))
+    result = runner.invoke(app, [*STUDY, "--out", str(out)])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 143, result.output
+    assert "stopped by SIGTERM in gear-seed0" in text
+    assert "run the same `gear compare` again to continue the study" in text
+    assert "gear train --resume" not in text
+
+
+def test_compare_plan_reads_the_study_rules_arms(tmp_path, monkeypatch):
+    """--plan on a 3-arm study planned for the CLI's default pair (issue 59, item 2)."""
+    out = tmp_path / "study"
+    monkeypatch.setattr("gear.run.train", fake_train({}))
+    assert runner.invoke(app, [*STUDY, "--effect", "0.1", "--out", str(out)]).exit_code == 0
+    plan = runner.invoke(app, ["compare", "--plan", "--out", str(out)])
+    assert plan.exit_code == 0, plan.output
+    assert "rlsd: 3 pairs" in plan.output and "gear: 3 pairs" in plan.output
+    assert "+0.1 with 80% power, two-sided at alpha 0.05/2" in " ".join(plan.output.split())
+
+
+def test_compare_refuses_an_edited_config_file_naming_the_key(tmp_path, monkeypatch):
+    """The rule kept the --config file's path: an edit between invocations trained seeds under
+    two recipes (issue 59, item 3)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("extends: default\nlearning_rate: 5.0e-4\n")
+    out = tmp_path / "study"
+    monkeypatch.setattr("gear.run.train", fake_train({}))
+    args = [*STUDY, "--config", str(recipe), "--out", str(out)]
+    assert runner.invoke(app, [*args, "--only", "grpo"]).exit_code == 0
+    recipe.write_text("extends: default\nlearning_rate: 5.0e-2\n")
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2
+    assert "(config_values.learning_rate: 0.0005 -> 0.05)" in " ".join(refused.output.split())
+    assert not (out / "gear-seed0").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--out", "{file}"], "is a file; a study is a directory"),
+        (["--out", "{file}/study"], "lies under the file"),
+        (["--report", "--out", "{file}/study"], "lies under the file"),
+        (["--effect", "inf", "--out", "{dir}"], "--effect inf: the gain to detect, a finite"),
+        (["--plan", "--effect", "nan", "--out", "{dir}"], "--effect nan: the gain to detect"),
+    ],
+)
+def test_compare_refuses_a_bad_out_or_effect_in_one_line(args, message, tmp_path, monkeypatch):
+    """A file as --out raised a bare FileExistsError, --effect inf trained every run and then
+    crashed every report (issue 59, items 5 and 6)."""
+    monkeypatch.setattr("gear.run.train", fake_train({}))  # where it is not refused: no training
+    (tmp_path / "file").write_text("x")
+    args = [a.format(file=tmp_path / "file", dir=tmp_path / "study") for a in args]
+    result = runner.invoke(app, ["compare", *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and result.exception is not None
+    assert not (tmp_path / "study").exists() and (tmp_path / "file").read_text() == "x"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -8,6 +8,7 @@ gear eval runs/arithmetic-gear-seed0-... --n 200
 gear inspect runs/arithmetic-gear-seed0-...
 gear compare --methods grpo --methods gear --seeds 0 --seeds 1 --seeds 2   # does gear beat grpo?
 gear compare --plan --effect 0.05                                          # seeds needed, from a pilot
+gear compare --report                                                      # the report, no training
 ```
 """
 
@@ -521,13 +522,14 @@ def gym(
 @app.command()
 def compare(
     methods: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option(
             help="Arms to compare (repeat the option): a credit method, or "
             "'[name=]method@key=value,...' with the config keys that arm alone sets "
-            "(e.g. 'lead=gear_token@kl_estimator=k1').",
+            "(e.g. 'lead=gear_token@kl_estimator=k1'). Default grpo and gear; with --plan, "
+            "the study rule's arms.",
         ),
-    ] = ["grpo", "gear"],  # noqa: B006
+    ] = None,
     seeds: Annotated[list[int], typer.Option(help="Seeds (repeat the option).")] = [0, 1, 2],  # noqa: B006
     config: Annotated[
         str | None, typer.Option(help=f"Base config (a file, or a shipped recipe: {_RECIPES}).")
@@ -540,17 +542,34 @@ def compare(
     ] = None,
     steps: Annotated[int | None, typer.Option(help="Steps per run (same for all).")] = None,
     baseline: Annotated[
-        str, typer.Option(help="The arm (its name) the others are compared to.")
-    ] = "grpo",
+        str | None,
+        typer.Option(
+            help="The arm (its name) the others are compared to. Default grpo; with --plan, "
+            "the study rule's."
+        ),
+    ] = None,
     effect: Annotated[
-        float, typer.Option(help="The gain on the learning metric the study is planned for.")
-    ] = 0.05,
+        float | None,
+        typer.Option(
+            help="The gain on the learning metric the study is planned for. Default 0.05; "
+            "with --plan, the study rule's."
+        ),
+    ] = None,
     plan: Annotated[
         bool,
         typer.Option(
             "--plan",
             help="Train nothing: from the finished pairs in --out (a pilot), print the seeds "
             "needed to detect --effect at 80% power.",
+        ),
+    ] = False,
+    report_only: Annotated[
+        bool,
+        typer.Option(
+            "--report",
+            help="Train nothing: write the report of --out's rule from the runs that exist "
+            "(missing and failed runs are named in its verdict; exit 1 if a run failed). "
+            "Reads only --out.",
         ),
     ] = False,
     only: Annotated[
@@ -574,22 +593,45 @@ def compare(
 ) -> None:
     """Train methods x seeds paired by seed, then report whether any beats the baseline.
 
-    The rule (arms, baseline, metric, seeds, alpha, effect) is written to OUT/rule.json before
-    the first run. The report (compare.md, compare.json, compare.png): the learning gate on the
-    baseline, each method - baseline with Bonferroni and 95% intervals, the detectable effect,
-    the worst seeds and one verdict. Run the same command again to resume a stopped study.
+    The rule (arms, baseline, metric, seeds, alpha, effect, the config's content) is written to
+    OUT/rule.json before the first run. The report (compare.md, compare.json, compare.png): the
+    learning gate on the baseline, each method - baseline with Bonferroni and 95% intervals,
+    the detectable effect, the worst seeds and one verdict. Run the same command again to resume
+    a stopped study. A run that raises is logged (RUN/error.log) and the study goes on; the
+    command then exits 1, and the report names the run (the next invocation retries it).
+    `--report` writes the report of what exists without training.
     """
+    import signal
+
     from gear import compare as study
     from gear.config import resolve_config, resume_config
     from gear.run import train as run_train
     from gear.run_callbacks import RunStopped
 
+    try:
+        study.check_out(out)
+        if plan and report_only:
+            raise ValueError("--plan and --report: one at a time")
+    except ValueError as e:
+        _fail(str(e))
     if plan:
         try:
             typer.echo(study.plan_text(study.plan(out, methods, baseline, effect)))
         except ValueError as e:
             _fail(str(e))
         return
+    if report_only:
+        try:
+            result = study.report(out)
+        except ValueError as e:
+            _fail(str(e))
+        _print_report(out, result)
+        if result["failed"]:
+            raise typer.Exit(1)
+        return
+    methods = methods or ["grpo", "gear"]
+    baseline = baseline or "grpo"
+    effect = study.EFFECT if effect is None else effect
     named = dict(steps=steps, model=model, task=task)
     base = _overrides(set_, **named)
     try:
@@ -609,6 +651,7 @@ def compare(
         rule_hash = study.fix_rule(out, rule, amend=amend_rule)
     except (ValueError, NotImplementedError) as e:
         _fail(str(e))
+    failed: list[str] = []
     # seed by seed: a study stopped early has complete pairs
     for seed in seeds:
         for arm, arm_values in arms.items():
@@ -620,8 +663,9 @@ def compare(
                 continue
             console.rule(f"{arm} seed {seed}")
             study.mark_run(run_dir, rule_hash)
-            study.share_eval_before(out, run_dir, seed)
+            study.clear_failure(run_dir)
             try:
+                study.share_eval_before(out, run_dir, seed)
                 values = {**base, **arm_values, "seed": seed}
                 if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
                     cfg = resume_config(run_dir, values, labels=_labels(**named))
@@ -629,17 +673,38 @@ def compare(
                     cfg = resolve_config(config, {**values, "output_dir": str(run_dir)})
                     cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
                 run_train(cfg, run_dir=run_dir, resume=run_dir.is_dir(), console=console)
-            except RunStopped as e:
+            except RunStopped as e:  # one instruction: the study's, not the run's own
+                what = f"checkpoint saved: {e.checkpoint}" if e.checkpoint else "no new checkpoint"
                 console.print(
-                    f"[yellow]{e}[/]; run the same `gear compare` again to continue the study",
+                    f"[yellow]stopped by {signal.Signals(e.signum).name} in {run_dir.name}; "
+                    f"{what}[/]; run the same `gear compare` again to continue the study",
                     highlight=False,
                     soft_wrap=True,
                 )
                 raise typer.Exit(e.exit_code) from None
-            except ValueError as e:
-                _fail(str(e))
+            except Exception as e:  # one run's failure ends that run, not the study
+                log = study.record_failure(run_dir, e)
+                failed.append(run_dir.name)
+                console.print(
+                    f"[red]{run_dir.name} failed:[/] {escape(f'{type(e).__name__}: {e}')} "
+                    f"(traceback: {log}); the study goes on",
+                    highlight=False,
+                    soft_wrap=True,
+                )
     result = study.report(out)
-    console.print(f"[bold]verdict:[/] {result['verdict']}", highlight=False, soft_wrap=True)
+    _print_report(out, result)
+    if failed:
+        console.print(
+            f"[red]{len(failed)} run(s) failed:[/] {', '.join(failed)} (each its error.log); "
+            "run the same `gear compare` again to retry them",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)
+
+
+def _print_report(out: Path, result: dict[str, Any]) -> None:
+    console.print(f"[bold]verdict:[/] {escape(result['verdict'])}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'compare.md'}, compare.json and {result['figure']}")
 
 

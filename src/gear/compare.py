@@ -4,19 +4,28 @@ A study is a directory: one `gear train` run per method and seed (`<method>-seed
 seed: the same prompts, sampling and initialisation for every method of a seed, and the same
 held-out problems and draws for every run), and the rule the report follows:
 
-    rule.json          arms, baseline, metric, seeds, alpha, the effect; written before the
-                       first run. Each run directory keeps the rule's hash from when it began
-                       (`rule.sha256`); a run that began under another rule, or none, means the
-                       rule changed after the first run began, and no winner is called.
+    rule.json          arms, baseline, metric, seeds, alpha, the effect, the config's content
+                       (`config_values`: the recipe as its runs read it, so an edit of the file
+                       between invocations is a change of the rule) and the gate's trend check;
+                       written before the first run. Each run directory keeps the rule's hash
+                       from when it began (`rule.sha256`); a run that began under another rule,
+                       or none, means the rule changed after the first run began, and no winner
+                       is called.
     compare.json/.md   the analysis (`gear.evidence.compare_arms`, the one the studies use):
                        the learning gate on the baseline, each candidate - baseline paired by
                        seed (Bonferroni and 95% intervals, MDE at 80% power, greedy pass@1),
                        worst seeds, and one verdict sentence.
     compare.png        the learning curves beside the paired differences with their intervals.
+    <run>/error.log    the traceback of a run that raised: the study goes on to the next run,
+                       and the report names the run as failed until an attempt finishes it.
 
-Only complete pairs are analysed; missing or unfinished runs are listed. Where the study
-directory is under git, `gear.evidence.preregistered` also checks that the committed rule
-precedes every committed result.
+Only complete pairs are analysed; every missing, unfinished or failed run is named in the
+verdict, and no arm is called a winner while its runs or the baseline's for a seed of the rule
+are missing. Where the study directory is under git, `gear.evidence.preregistered` also checks
+that the committed rule precedes every committed result.
+
+A rule.json written before a field existed (`ADDED_FIELDS`) lacks it: such a study resumes (the
+rest of its rule is compared), and its report says what the rule did not record.
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ from gear.evidence import write_text
 
 RULE_FILE = "rule.json"
 RUN_HASH = "rule.sha256"  # in each run directory: the rule's hash when the run began
+ERROR_FILE = "error.log"  # in a run directory whose run raised: its traceback
+GATE_TREND = "interval"  # the gate's trend check a new rule records (gear.evidence.gate)
+#: rule fields added since the first studies; an older rule.json lacks them and still resumes
+ADDED_FIELDS = ("config_values", "gate_trend")
 ALPHA = 0.05  # family-wise, over the candidates (Bonferroni)
 EFFECT = 0.05  # the default gain a study is planned for, on the learning metric
 GATE_MIN_SEEDS = 2  # the fewest a paired interval needs; more seeds make the gate stricter
@@ -125,6 +138,38 @@ def check_config(cfg: Any, run_dir: Path) -> None:
     lora_config(cfg)
 
 
+def check_out(out: Path) -> None:
+    """A ValueError where `out` cannot be a study's directory: it is a file, or lies under one."""
+    out = Path(out)
+    for path in (out, *out.parents):
+        if path.is_dir():
+            return
+        if path.exists():
+            where = "is a file" if path == out else f"lies under the file {path}"
+            raise ValueError(
+                f"--out {out}: {where}; a study is a directory: give --out a directory's path"
+            )
+
+
+def config_values(config: str | None) -> dict[str, Any]:
+    """The content of a study's config as its runs read it: the recipe's keys, its `extends`
+    resolved (`gear.config.load_recipe`), as JSON keeps them."""
+    from gear.config import load_recipe
+
+    return json.loads(json.dumps(load_recipe(config or "default"), default=str))
+
+
+def _not_finite(obj: Any, where: str = "") -> list[str]:
+    """The keys (`set.learning_rate`) of `obj` that hold inf or NaN, which JSON cannot."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [f"{where}: {obj}"]
+    if isinstance(obj, dict):
+        return [e for k, v in obj.items() for e in _not_finite(v, f"{where}.{k}" if where else k)]
+    if isinstance(obj, list | tuple):
+        return [e for i, v in enumerate(obj) for e in _not_finite(v, f"{where}[{i}]")]
+    return []
+
+
 def make_rule(
     methods: Sequence[str],
     baseline: str,
@@ -146,8 +191,8 @@ def make_rule(
     for name, values in (("--methods", methods), ("--seeds", seeds)):
         if len(set(values)) != len(values):
             raise ValueError(f"{name} {list(values)}: each value once")
-    if not effect > 0:
-        raise ValueError(f"--effect {effect}: the gain to detect, above 0")
+    if not (math.isfinite(effect) and effect > 0):  # inf passes `effect > 0`, JSON has no inf
+        raise ValueError(f"--effect {effect}: the gain to detect, a finite number above 0")
     steps = cfg.trainer.get("max_steps")
     if isinstance(steps, int) and 0 < steps < 2:
         raise ValueError(
@@ -175,6 +220,9 @@ def make_rule(
         "config": config,
         "set": dict(overrides),
         **rule_arms,
+        # the config's content, not only its path: an edited file is another rule (issue 59)
+        "config_values": config_values(config),
+        "gate_trend": GATE_TREND,
     }
 
 
@@ -207,30 +255,67 @@ def begun_runs(out: Path) -> list[Path]:
     )
 
 
+def _canonical(rule: Mapping[str, Any]) -> dict[str, Any]:
+    """The rule as two commands are compared: the order of the seeds and of the arms is no
+    part of it (an arm is its name and, in `arm_settings`, what it sets)."""
+    out = dict(rule)
+    for key in ("seeds", "arms"):
+        if isinstance(out.get(key), list):
+            out[key] = sorted(out[key], key=json.dumps)
+    return out
+
+
+def _diff(a: Any, b: Any, where: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            name = f"{where}.{k}" if where else str(k)
+            if k not in a:
+                out.append(f"{name}: added {b[k]!r}")
+            elif k not in b:
+                out.append(f"{name}: removed (was {a[k]!r})")
+            else:
+                out += _diff(a[k], b[k], name)
+        return out
+    return [] if a == b else [f"{where}: {a!r} -> {b!r}"]
+
+
+def rule_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """What `new` changes of the rule `old`, one entry per key that changed, nested keys named
+    in full (`set.learning_rate: 0.0005 -> 0.05`). The order of seeds and arms is no change,
+    nor is a field `old` was written before (`ADDED_FIELDS`)."""
+    a, b = _canonical(old), _canonical(new)
+    for key in ADDED_FIELDS:
+        if key not in a:
+            b.pop(key, None)
+    return _diff(a, b, "")
+
+
 def fix_rule(out: Path, rule: Mapping[str, Any], amend: bool = False) -> str:
-    """Write `rule` to OUT/rule.json before the first run; returns its hash. The rule of a
-    study whose runs have begun may change only with `amend` (the report then calls no
-    winner): a ValueError names what differs."""
+    """Write `rule` to OUT/rule.json before the first run; returns the hash the study's runs
+    record. Where OUT holds the same rule (`rule_changes` finds nothing) the file is kept as
+    written and its hash returned. The rule of a study whose runs have begun may change only
+    with `amend` (the report then calls no winner): a ValueError names each key that differs."""
     out = Path(out)
-    h = rule_hash(rule)
+    bad = _not_finite(dict(rule))
+    if bad:
+        raise ValueError(f"the rule holds a value JSON cannot (inf or nan): {'; '.join(bad)}")
     old = read_rule(out)
-    if old is not None and rule_hash(old) != h:
+    if old is not None:
+        changes = rule_changes(old, rule)
+        if not changes:
+            return rule_hash(old)
         begun = begun_runs(out)
         if begun and not amend:
-            differs = "; ".join(
-                f"{k}: {old.get(k)!r} -> {rule.get(k)!r}"
-                for k in sorted(set(old) | set(rule))
-                if old.get(k) != rule.get(k)
-            )
             raise ValueError(
-                f"{out / RULE_FILE}: this command changes the study's rule ({differs}) after "
-                f"{len(begun)} run(s) began under it. Rerun with the rule's arguments to "
-                "continue, give a new study another --out, or pass --amend-rule to change it "
-                "(the report then calls no winner)"
+                f"{out / RULE_FILE}: this command changes the study's rule "
+                f"({'; '.join(changes)}) after {len(begun)} run(s) began under it. Rerun with "
+                "the rule's arguments to continue, give a new study another --out, or pass "
+                "--amend-rule to change it (the report then calls no winner)"
             )
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / RULE_FILE, json.dumps(rule, indent=1) + "\n")
-    return h
+    write_text(out / RULE_FILE, json.dumps(rule, indent=1, allow_nan=False) + "\n")
+    return rule_hash(rule)
 
 
 def mark_run(run_dir: Path, h: str) -> None:
@@ -241,6 +326,29 @@ def mark_run(run_dir: Path, h: str) -> None:
         return  # marked, or begun before the rule (left unmarked: the report names it)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / RUN_HASH, h + "\n")
+
+
+def record_failure(run_dir: Path, error: BaseException) -> Path:
+    """Write the traceback of `error`, which ended the run in `run_dir`, to its error.log."""
+    import traceback
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return write_text(run_dir / ERROR_FILE, "".join(traceback.format_exception(error)))
+
+
+def clear_failure(run_dir: Path) -> None:
+    """Before another attempt at a run: its earlier error.log goes (it fails anew, or it ends)."""
+    (Path(run_dir) / ERROR_FILE).unlink(missing_ok=True)
+
+
+def failure(run_dir: Path) -> str | None:
+    """The error that ended the run in `run_dir` (the last line of its error.log), or None."""
+    path = Path(run_dir) / ERROR_FILE
+    if not path.is_file():
+        return None
+    lines = [x.strip() for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    return lines[-1] if lines else "error.log is empty"
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -297,12 +405,14 @@ def run_record(run_dir: Path) -> dict[str, Any] | None:
 
 def collect(
     out: Path, arms: Sequence[str], seeds: Sequence[int] | None, metric: str
-) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[int]], dict[str, str]]:
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[int]], dict[str, str], dict[str, str]]:
     """The finished runs of `arms` in `out` (at `seeds`; None: every seed found), the seeds
-    asked but not finished per arm, and the runs that cannot be used (name -> why)."""
+    asked but not finished per arm, the runs that cannot be used (name -> why) and the runs
+    that failed (name -> the error that ended them; `failure`)."""
     runs: dict[str, list[dict[str, Any]]] = {}
     missing: dict[str, list[int]] = {}
     unusable: dict[str, str] = {}
+    failed: dict[str, str] = {}
     for arm in arms:
         wanted = seeds
         if wanted is None:
@@ -314,12 +424,15 @@ def collect(
             r = run_record(Path(out) / name)
             if r is None:
                 missing[arm].append(seed)
+                error = failure(Path(out) / name)
+                if error is not None:
+                    failed[name] = error
             elif metric not in r["before"] or metric not in r["after"]:
                 unusable[name] = f"no {metric} in its held-out scores (eval_samples 0?)"
                 missing[arm].append(seed)
             else:
                 runs[arm].append(r | {"seed": seed})
-    return runs, missing, unusable
+    return runs, missing, unusable, failed
 
 
 def git_record(out: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any] | None:
@@ -359,51 +472,105 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _seeds(arm: str, seeds: Sequence[int]) -> str:
+    return f"{arm} seed {seeds[0]}" if len(seeds) == 1 else f"{arm} seeds {list(seeds)}"
+
+
+def runs_under_another_rule(out: Path, h: str) -> list[str]:
+    """The begun runs of the study (finished or not) whose recorded rule hash is not `h`, or
+    that recorded none: each is a sign that the rule changed after the first run began."""
+    other = []
+    for d in begun_runs(out):
+        hash_file = d / RUN_HASH
+        if not hash_file.is_file() or hash_file.read_text().strip() != h:
+            other.append(d.name)
+    return other
+
+
 def report(out: Path, figure: bool = True) -> dict[str, Any]:
     """The study's report from its rule and finished runs: compare.json, compare.md and
-    compare.png in `out`; returns what compare.json holds."""
+    compare.png in `out`; returns what compare.json holds. It trains nothing: it reports what
+    exists, naming every run of the rule that has not finished (and those that failed)."""
     from gear.evidence import compare_arms, verdict
 
     out = Path(out)
     rule = read_rule(out)
     if rule is None:
         raise ValueError(f"{out}: no {RULE_FILE}; `gear compare` writes it before the first run")
+    effect = rule["effect"]
+    if not (isinstance(effect, int | float) and math.isfinite(effect) and effect > 0):
+        raise ValueError(
+            f"{out / RULE_FILE}: effect {effect!r} is not a finite gain above 0; give it one "
+            "with the study's command and --amend-rule --effect E (the report then calls no "
+            "winner)"
+        )
     h = rule_hash(rule)
-    metric = rule["metric"]
-    runs, missing, unusable = collect(out, rule["arms"], rule["seeds"], metric)
+    metric, base = rule["metric"], rule["baseline"]
+    runs, missing, unusable, failed = collect(out, rule["arms"], rule["seeds"], metric)
     analysis = compare_arms(
         runs,
-        rule["baseline"],
+        base,
         metric=metric,
         secondary="pass@1" if metric != "pass@1" else None,
         alpha=rule["alpha"],
-        effect=rule["effect"],
+        effect=effect,
         gate_min_seeds=rule.get("gate_min_seeds", GATE_MIN_SEEDS),
         metric_label=rule.get("metric_label"),
+        gate_trend=rule.get("gate_trend", "mean"),  # a rule from before it named one: issue 35's
     )
-    other = sorted(r["name"] for rs in runs.values() for r in rs if r["rule_sha256"] != h)
-    no_winner = None
+    other = runs_under_another_rule(out, h)
+    reasons = []
     if other:
-        no_winner = (
+        reasons.append(
             f"the rule changed after the first run began ({len(other)} run(s) began under "
             "another rule or none)"
         )
     git = git_record(out, runs)
     if git is not None and git["blocks"]:
-        no_winner = "a result was committed to git before the rule (gear.evidence.preregistered)"
-    sentence = verdict(analysis, no_winner)
+        reasons.append(
+            "a result was committed to git before the rule (gear.evidence.preregistered)"
+        )
+    no_winner = "; ".join(reasons) or None
+    # a winner is called over every seed of the rule: none while its runs or the baseline's
+    # are missing (complete pairs alone would pair a failed run away)
+    held = {}
+    for arm in analysis["comparisons"]:
+        gaps = [_seeds(a, missing[a]) for a in (arm, base) if missing[a]]
+        if gaps:
+            held[arm] = f"{' and '.join(gaps)} did not finish"
+    sentence = verdict(analysis, no_winner, held)
     asked = len(rule["arms"]) * len(rule["seeds"])
     not_done = sum(len(v) for v in missing.values())
     if not_done:
-        sentence += f"; {not_done} of {asked} runs not finished: complete pairs only"
+        sentence += (
+            f"; {not_done} of {asked} runs not finished "
+            f"({'; '.join(_seeds(a, v) for a, v in missing.items() if v)}): complete pairs only"
+        )
+    for name, error in failed.items():
+        sentence += f"; {name} failed: {error} (its traceback: {name}/{ERROR_FILE})"
+    winners = [] if no_winner else [a for a in analysis["beats_baseline"] if a not in held]
+    not_called = {}  # every arm whose family interval lies above 0 but is not called a winner
+    for arm, c in analysis["comparisons"].items():
+        lo = c["bonferroni"]["ci"][0]
+        if arm in winners or not (isinstance(lo, float) and lo > 0):
+            continue
+        below = analysis["stability"][arm]["below_before"]
+        not_called[arm] = (
+            "the learning gate failed"
+            if not analysis["gate"]["passed"]
+            else no_winner or held.get(arm) or f"ended below its start on seed(s) {below}"
+        )
+    analysis = {k: v for k, v in analysis.items() if k != "beats_baseline"}  # read `winners`
     result = {
         "study": str(out),
         "rule": rule,
         "rule_sha256": h,
         "rule_unchanged": not other,
         "runs_under_another_rule": other,
+        "rule_records_config": "config_values" in rule,
         "git": git,
         "missing": {a: s for a, s in missing.items() if s},
+        "failed": failed,
         "unusable": unusable,
         "per_seed": {
             arm: [
@@ -421,7 +588,8 @@ def report(out: Path, figure: bool = True) -> dict[str, Any]:
             for arm, rs in runs.items()
         },
         **analysis,
-        "winners": [] if no_winner else analysis["beats_baseline"],
+        "winners": winners,
+        "not_called": not_called,
         "verdict": sentence,
         "machine": machine(),
     }
@@ -436,28 +604,39 @@ def report(out: Path, figure: bool = True) -> dict[str, Any]:
 
 
 def plan(
-    out: Path, methods: Sequence[str], baseline: str, effect: float, alpha: float = ALPHA
+    out: Path,
+    methods: Sequence[str] | None = None,
+    baseline: str | None = None,
+    effect: float | None = None,
+    alpha: float | None = None,
 ) -> dict[str, Any]:
     """Seeds needed to detect a gain of `effect` at 80% power, from the finished pairs in `out`
-    (a pilot: every seed found). The metric is the study rule's, else the mean reward where
-    every run has it, else greedy pass@1."""
+    (a pilot: every seed found). The arms, baseline, effect and alpha not given are the study
+    rule's (else grpo vs gear, +0.05, 0.05); the metric is the rule's, else the mean reward
+    where every run has it, else greedy pass@1."""
     from gear.evidence import seeds_to_plan
 
-    if baseline not in methods:
-        raise ValueError(f"--baseline {baseline}: not one of --methods {list(methods)}")
     rule = read_rule(out)
+    arms = list(parse_arms(methods)) if methods else rule["arms"] if rule else ["grpo", "gear"]
+    baseline = baseline or (rule["baseline"] if rule else "grpo")
+    effect = effect if effect is not None else rule["effect"] if rule else EFFECT
+    alpha = alpha if alpha is not None else rule["alpha"] if rule else ALPHA
+    if not (math.isfinite(effect) and effect > 0):
+        raise ValueError(f"--effect {effect}: the gain to detect, a finite number above 0")
+    if baseline not in arms:
+        raise ValueError(f"--baseline {baseline}: not one of the arms {arms}")
     metric = rule["metric"] if rule else "mean_reward"
-    runs, _, _ = collect(out, methods, None, metric)
+    runs = collect(out, arms, None, metric)[0]
     if rule is None and not any(runs.values()):  # no mean reward: the greedy metric
         metric = "pass@1"
-        runs, _, _ = collect(out, methods, None, metric)
+        runs = collect(out, arms, None, metric)[0]
     found = {a: [r["seed"] for r in rs] for a, rs in runs.items()}
     if not runs[baseline] or all(not rs for a, rs in runs.items() if a != baseline):
         raise ValueError(
-            f"{out}: no finished pairs of {list(methods)} (runs found: {found}); a pilot "
+            f"{out}: no finished pairs of {arms} (runs found: {found}); a pilot "
             f"first: gear compare --seeds 0 --seeds 1 --out {out}"
         )
-    result = seeds_to_plan(runs, baseline, effect, metric=metric, alpha=alpha, candidates=methods)
+    result = seeds_to_plan(runs, baseline, effect, metric=metric, alpha=alpha, candidates=arms)
     return _finite(result | {"study": str(out), "metric": metric, "baseline": baseline,
                              "pilot_seeds": found})  # fmt: skip
 
@@ -469,12 +648,24 @@ def plan_text(p: Mapping[str, Any]) -> str:
         f"paired by seed): seeds to detect a gain of +{p['effect']:g} with "
         f"{p['power']:.0%} power, two-sided at alpha {p['alpha']:g}/{k} (Bonferroni)",
     ]
+    cannot = []
     for arm, c in p["candidates"].items():
         sd = "-" if c["sd"] is None else f"{c['sd']:.4f}"
-        need = c["seeds"] if c["seeds"] is not None else (
-            "more than 999" if c["pairs"] >= 2 else "unknown (fewer than 2 pairs)"
-        )  # fmt: skip
-        lines.append(f"  {arm}: {c['pairs']} pairs, SD of the differences {sd}: {need} seeds")
+        if c["seeds"] is not None:
+            need = f"{c['seeds']} seeds"
+        elif c["pairs"] < 2:
+            need = "unknown (fewer than 2 pairs)"
+            cannot.append(f"{arm} has {c['pairs']} finished pair(s)")
+        elif c["no_spread"]:
+            need = "cannot plan (its differences have no spread)"
+            cannot.append(
+                f"{arm}'s differences from {p['baseline']} are the same on all {c['pairs']} "
+                "pairs: an SD of 0 from a pilot is no estimate of the spread"
+            )
+        else:
+            need = "more than 999 seeds"
+            cannot.append(f"{arm} needs more than 999 seeds")
+        lines.append(f"  {arm}: {c['pairs']} pairs, SD of the differences {sd}: {need}")
     gate = p["gate"]
     if gate["seeds"] is not None:
         lines.append(
@@ -482,16 +673,28 @@ def plan_text(p: Mapping[str, Any]) -> str:
             f"{gate['sd']:.4f} over {gate['pairs']} seeds): {gate['seeds']} seeds for its 95% "
             "interval to clear 0"
         )
+    elif gate["no_spread"] and gate["mean"] > 0:
+        lines.append(
+            f"  the learning gate: cannot plan ({p['baseline']} gained the same on all "
+            f"{gate['pairs']} seeds: an SD of 0 from a pilot is no estimate of the spread)"
+        )
+        cannot.append(f"{p['baseline']}'s gain has no spread")
     else:
         lines.append(
             f"  the learning gate: unknown ({p['baseline']} gained nothing in the pilot, or "
             "fewer than 2 seeds): a study cannot be planned before the baseline learns"
         )
+        cannot.append(f"{p['baseline']} has not learned in the pilot")
     if p["seeds"] is not None:
         lines.append(
             f"needed: {p['seeds']} seeds (an SD from a few pairs is rough: plan with margin). "
             f"Start the study in a new directory, e.g. gear compare --seeds 0 ... --seeds "
             f"{p['seeds'] - 1} --effect {p['effect']:g} --out <new dir>"
+        )
+    else:
+        lines.append(
+            f"cannot plan from this pilot: {'; '.join(cannot)}. Run more pilot seeds (or a "
+            "recipe under which the baseline learns) and plan again"
         )
     return "\n".join(lines)
 
@@ -518,6 +721,10 @@ def _ci(ci: Sequence[float | None]) -> str:
     return "—" if None in ci else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
+def _ci4(ci: Sequence[float | None]) -> str:
+    return "—" if None in ci else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+
+
 def markdown(result: Mapping[str, Any]) -> str:
     """compare.md: the verdict first, then the rule, the gate, the comparisons, stability."""
     rule, base = result["rule"], result["baseline"]
@@ -530,16 +737,23 @@ def markdown(result: Mapping[str, Any]) -> str:
         "",
         "## Rule",
         "",
-        f"- `{RULE_FILE}` (sha256 `{result['rule_sha256'][:12]}`), written before the first "
-        f"run: arms {', '.join(f'`{a}`' for a in rule['arms'])}; baseline `{base}`; seeds "
+        f"- `{RULE_FILE}` (sha256 `{result['rule_sha256'][:12]}`), "
+        + ("written before the first run" if result["rule_unchanged"] else "**changed after "
+           "the first run began** (amended or edited)")
+        + f": arms {', '.join(f'`{a}`' for a in rule['arms'])}; baseline `{base}`; seeds "
         f"{rule['seeds']}; metric: {result['metric']}; alpha {rule['alpha']:g} over {k} "
         f"candidate(s) (Bonferroni: {level} intervals); effect +{rule['effect']:g}.",
         "- Every run began under this rule."
         if result["rule_unchanged"]
-        else f"- **The rule changed after the first run began**: "
-        f"{', '.join(result['runs_under_another_rule'])} began under another rule or none, "
-        "so no winner is called.",
-    ]
+        else f"- {', '.join(result['runs_under_another_rule'])} began under another rule or "
+        "none, so no winner is called.",
+        f"- The config (`{rule.get('config') or 'default'}`): its content is in the rule "
+        "(`config_values`), so an edit of the file between invocations is a change of the rule."
+        if result["rule_records_config"]
+        else f"- The config (`{rule.get('config') or 'default'}`) is named in the rule but its "
+        "content is not (the rule was recorded before this check existed): an edit of the "
+        "file between invocations would not be detected.",
+    ]  # fmt: skip
     git = result.get("git")
     if git is not None:
         lines.append(
@@ -549,19 +763,32 @@ def markdown(result: Mapping[str, Any]) -> str:
         )
     if result["missing"] or result["unusable"]:
         lines.append(
-            "- Not finished (only complete pairs are analysed): "
+            "- Not finished (only complete pairs are analysed; no arm is called a winner while "
+            "its runs or the baseline's miss a seed): "
             + "; ".join(f"`{a}` seeds {s}" for a, s in result["missing"].items())
             + "".join(f"; `{n}`: {why}" for n, why in result["unusable"].items())
         )
+    for name, error in result.get("failed", {}).items():
+        lines.append(f"- **`{name}` failed**: {error} (its traceback: `{name}/{ERROR_FILE}`).")
+    for arm, why in result.get("not_called", {}).items():
+        lines.append(f"- `{arm}`'s interval lies above 0 but it is not called a winner: {why}.")
     g = result["gate"]
     gp, slope = g["paired"], g["reward_slope"]
+    per = "per step" if rule.get("gate_trend") == "interval" else "per logged row"
+    trend_note = (
+        ""
+        if "gate_trend" in rule
+        else " (the rule was recorded before it named its trend check: issue 35's, the mean "
+        "slope per logged row above 0)"
+    )
     lines += [
         "",
         f"## 1. Learning gate: does `{base}` learn?",
         "",
         f"After - before training on the metric, paired over {gp['n']} seeds: "
         f"{_num(gp['mean'])} {_ci(gp['ci'])} (95%); training reward slope "
-        f"{_num(slope['mean'], '+.4f')} per step. Checks: "
+        f"{_num(slope['mean'], '+.4f')} {_ci4(slope['ci'])} {per} (95% over seeds)"
+        f"{trend_note}. Checks: "
         + ", ".join(f"{c} {'yes' if ok else '**no**'}" for c, ok in g["checks"].items())
         + f". **{'Passed' if g['passed'] else 'Failed: no method is compared'}.**",
         "",

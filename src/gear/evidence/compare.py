@@ -33,6 +33,7 @@ from gear.evidence.gate import learning_gate, slope
 from gear.evidence.stats import bonferroni, mde, n_for_power, paired, power_at, t_interval
 
 POWER = 0.8  # the power at which the MDE and the seeds needed are stated
+NO_SPREAD = 1e-12  # an SD this small is identical differences, up to float rounding
 
 
 def by_seed(records: Sequence[Mapping[str, Any]], arm: str = "") -> dict[int, Mapping[str, Any]]:
@@ -67,6 +68,7 @@ def compare_arms(
     gate_runs: Sequence[Mapping[str, Any]] | None = None,
     gate_min_seeds: int = 8,
     metric_label: str | None = None,
+    gate_trend: str = "mean",
 ) -> dict[str, Any]:
     """The analysis of `runs` (arm -> finished runs, any seeds) against `baseline`.
 
@@ -77,6 +79,8 @@ def compare_arms(
         effect: the gain the study states (power and seeds needed are given for it).
         gate_runs: the baseline runs the gate reads (default: runs[baseline]).
         gate_min_seeds: the gate's least number of seeds.
+        gate_trend: the gate's trend check (`gear.evidence.gate.TREND_CHECKS`); "interval"
+            reads each record's "steps" (its logged step numbers) for a slope per step.
     Returns {"baseline", "metric", "alpha", "family", "level", "effect", "gate",
     "comparisons" (candidate -> "seeds", "unpaired", "bonferroni", "ci95", "level", "mde",
     "power_at_effect", "seeds_for_effect", "greedy"), "stability" (arm -> "worst_seed",
@@ -98,6 +102,8 @@ def compare_arms(
         seeds=[r["seed"] for r in gate_runs],
         metric=metric_label or metric,
         min_seeds=gate_min_seeds,
+        steps=[r["steps"] for r in gate_runs] if gate_trend == "interval" else None,
+        trend=gate_trend,
     )
 
     def after(rs: Sequence[Mapping[str, Any]], key: str = metric) -> list[float]:
@@ -152,7 +158,13 @@ def compare_arms(
         "stability": stability,
         # secondary: each arm's training-reward slope per step (95% over its seeds)
         "reward_slope": {
-            arm: t_interval([slope(r["reward"]) for r in rs if len(r["reward"]) >= 2])
+            arm: t_interval(
+                [
+                    slope(r["reward"], r["steps"] if gate_trend == "interval" else None)
+                    for r in rs
+                    if len(r["reward"]) >= 2
+                ]
+            )
             for arm, rs in runs.items()
         },
         "beats_baseline": sorted(beats, key=lambda a: -comparisons[a]["bonferroni"]["mean"]),
@@ -173,11 +185,15 @@ def seeds_to_plan(
     alpha/k, k the candidates), from the SD of each candidate - baseline over the finished
     pairs in `runs` (a pilot), and for the learning gate to pass with 80% power if the
     baseline learns as much as in the pilot (its after - before at 95%). Returns {"effect",
-    "alpha", "level", "candidates" (arm -> "pairs", "sd", "seeds"), "gate" ("pairs", "mean",
-    "sd", "seeds"), "seeds" (the most any of them needs; None where one cannot be told: fewer
-    than 2 pairs, a baseline that did not gain, or more than 999 seeds)}."""
-    if effect <= 0:
-        raise ValueError(f"seeds_to_plan: the effect is a gain above 0, got {effect}")
+    "alpha", "level", "candidates" (arm -> "pairs", "sd", "mean", "no_spread", "seeds"),
+    "gate" ("pairs", "mean", "sd", "no_spread", "seeds"), "seeds" (the most any of them needs;
+    None where one cannot be told: fewer than 2 pairs, differences without spread (SD at most
+    `NO_SPREAD`), a baseline that did not gain, or more than 999 seeds)}.
+
+    An SD of 0 from a pilot is no estimate of the spread (a handful of pairs that happened to
+    agree, or a metric that cannot move): no number of seeds follows from it."""
+    if not (math.isfinite(effect) and effect > 0):
+        raise ValueError(f"seeds_to_plan: the effect is a finite gain above 0, got {effect}")
     candidates = [a for a in (candidates or runs) if a != baseline]
     k = max(len(candidates), 1)
     out: dict[str, Any] = {}
@@ -185,20 +201,19 @@ def seeds_to_plan(
         a, b, _ = pairs(runs.get(arm, []), runs.get(baseline, []))
         d = paired([r["after"][metric] for r in a], [r["after"][metric] for r in b])
         sd = d["sd"]
-        seeds = None
-        if d["n"] >= 2 and sd > 0:
-            seeds = n_for_power(effect, sd, alpha / k, POWER)
-        elif d["n"] >= 2:  # identical differences: 2 pairs show any gain
-            seeds = 2
-        out[arm] = {"pairs": d["n"], "sd": sd, "mean": d["mean"], "seeds": seeds}
+        flat = d["n"] >= 2 and sd <= NO_SPREAD
+        seeds = n_for_power(effect, sd, alpha / k, POWER) if d["n"] >= 2 and not flat else None
+        out[arm] = {"pairs": d["n"], "sd": sd, "mean": d["mean"], "no_spread": flat, "seeds": seeds}
     # the gate too must pass: the baseline's after - before, at the gate's 95%, powered for
     # the gain the pilot saw (none where it saw no gain)
     base = runs.get(baseline, [])
     g = paired([r["after"][metric] for r in base], [r["before"][metric] for r in base])
+    gate_flat = g["n"] >= 2 and g["sd"] <= NO_SPREAD
     gate_seeds = None
-    if g["n"] >= 2 and g["mean"] > 0:
-        gate_seeds = n_for_power(g["mean"], g["sd"], 0.05, POWER) if g["sd"] > 0 else 2
-    gate = {"pairs": g["n"], "mean": g["mean"], "sd": g["sd"], "seeds": gate_seeds}
+    if g["n"] >= 2 and g["mean"] > 0 and not gate_flat:
+        gate_seeds = n_for_power(g["mean"], g["sd"], 0.05, POWER)
+    gate = {"pairs": g["n"], "mean": g["mean"], "sd": g["sd"], "no_spread": gate_flat,
+            "seeds": gate_seeds}  # fmt: skip
     needed = [c["seeds"] for c in out.values()] + [gate_seeds]
     return {
         "effect": effect,
@@ -215,51 +230,84 @@ def _interval(d: Mapping[str, Any]) -> str:
     return f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
 
 
-def verdict(result: Mapping[str, Any], no_winner: str | None = None) -> str:
-    """One sentence a user can act on, from `compare_arms`' result. `no_winner`: why no winner
-    may be called even where an interval clears 0 (e.g. the rule changed after the first run)."""
+def verdict(
+    result: Mapping[str, Any],
+    no_winner: str | None = None,
+    held: Mapping[str, str] | None = None,
+) -> str:
+    """One sentence a user can act on, from `compare_arms`' result.
+
+    `no_winner`: why no winner may be called even where an interval clears 0 (e.g. the rule
+    changed after the first run); it is said whatever the outcome, so a reader of any verdict
+    learns it. `held`: arm -> why that arm is not called a winner though its family interval
+    clears 0 (e.g. its runs, or the baseline's, for some of the rule's seeds are missing)."""
     base = result["baseline"]
-    gate = result["gate"]
-    g = gate["paired"]
-    if not gate["passed"]:
-        failed = [c for c, ok in gate["checks"].items() if not ok]
-        learned = f"after - before {_interval(g)}" if g["n"] >= 2 else f"{g['n']} seed(s)"
-        return (
-            f"{base} did not learn here ({learned}, 95%, {g['n']} seeds; failed: "
-            f"{', '.join(failed)}): no comparison"
-        )
+    prefix = f"no winner is called: {no_winner}; " if no_winner else ""
+    if not result["gate"]["passed"]:
+        return prefix + _gate_failed(result)
+    held = dict(held or {})
     comps = result["comparisons"]
     level = f"{100 * result['level']:.4g}%"
     short = [a for a, c in comps.items() if c["bonferroni"]["n"] < 2]
+    beats = [a for a in result["beats_baseline"] if a not in held]
+    above = [a for a, c in comps.items() if c["bonferroni"]["ci"][0] > 0]  # NaN: not above
     parts = []
-    if result["beats_baseline"]:
-        wins = [
-            f"{a} beats {base} by {_interval(comps[a]['bonferroni'])}"
-            for a in result["beats_baseline"]
-        ]
-        n = min(comps[a]["bonferroni"]["n"] for a in result["beats_baseline"])
-        parts.append(f"{'; '.join(wins)} ({level} intervals, n = {n} paired seeds)")
+    if beats:
+        wins = "; ".join(f"{a} beats {base} by {_interval(comps[a]['bonferroni'])}" for a in beats)
+        n = min(comps[a]["bonferroni"]["n"] for a in beats)
+        parts.append(f"{wins} ({level} intervals, n = {n} paired seeds)")
         if no_winner:
             parts[-1] = f"no winner is called: {no_winner} (the intervals: {parts[-1]})"
+            prefix = ""
+    elif above:
+        parts.append(f"no method is called a winner over {base}")
     else:
-        ns = sorted({c["bonferroni"]["n"] for c in comps.values() if c["bonferroni"]["n"] >= 2})
-        mdes = [c["mde"] for c in comps.values() if c["bonferroni"]["n"] >= 2]
+        compared = [c for c in comps.values() if c["bonferroni"]["n"] >= 2]
+        ns = sorted({c["bonferroni"]["n"] for c in compared})
+        mdes = [c["mde"] for c in compared if math.isfinite(c["mde"])]
         if ns:
             n_text = f"n = {ns[0]}" if len(ns) == 1 else f"n = {ns[0]}-{ns[-1]}"
-            parts.append(
-                f"no method beats {base} on this task ({n_text} paired seeds); a gain of "
-                f"+{max(mdes):.3f} or more would have been found with {POWER:.0%} power, "
-                "smaller ones are not ruled out"
+            found = (
+                f"; a gain of +{max(mdes):.3f} or more would have been found with {POWER:.0%} "
+                "power, smaller ones are not ruled out"
+                if mdes
+                else ""
             )
+            parts.append(f"no method beats {base} on this task ({n_text} paired seeds){found}")
     for a in result["below_baseline"]:
         parts.append(f"{a} is below {base}: {_interval(comps[a]['bonferroni'])}")
-    for a, c in comps.items():  # an interval above 0 that the stability check held back
+    for a in above:  # an interval above 0 that a check held back
+        c = comps[a]
         seeds = result["stability"][a]["below_before"]
-        if seeds and c["bonferroni"]["ci"][0] > 0:
+        if a in held:
+            parts.append(
+                f"{a} is above {base} ({_interval(c['bonferroni'])}, {level}, n = "
+                f"{c['bonferroni']['n']} paired seeds) but {held[a]}: not called a winner"
+            )
+        elif seeds:
             parts.append(
                 f"{a} is above {base} ({_interval(c['bonferroni'])}) but ended below its "
                 f"start on seed(s) {seeds}: not called a winner"
             )
     if short:
         parts.append(f"fewer than 2 complete pairs for {', '.join(short)}: not compared")
-    return "; ".join(parts)
+    return prefix + "; ".join(parts)
+
+
+def _gate_failed(result: Mapping[str, Any]) -> str:
+    """The verdict where the learning gate failed. "did not learn" only where the data exclude
+    a gain (the 95% interval of after - before at or below 0); an interval that holds 0, or no
+    interval at all, cannot tell."""
+    base, gate = result["baseline"], result["gate"]
+    g = gate["paired"]
+    failed = ", ".join(c for c, ok in gate["checks"].items() if not ok)
+    if g["n"] >= 2:
+        learned = f"after - before {_interval(g)}, 95%, n = {g['n']} seeds"
+    else:
+        learned = f"{g['n']} seed(s): no interval"
+    why = f"({learned}; failed: {failed}): no comparison"
+    if g["n"] >= 2 and g["ci"][1] <= 0:
+        return f"{base} did not learn here {why}"
+    if g["n"] >= 2 and g["ci"][0] > 0:
+        return f"{base} gained on the metric but its learning gate failed {why}"
+    return f"cannot tell whether {base} learns here {why}"

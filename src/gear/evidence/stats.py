@@ -53,10 +53,15 @@ def power_at(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
 
 def mde(sd: float, n: int, alpha: float = 0.05, target: float = 0.8) -> float:
     """The smallest true effect that `n` pairs with difference SD `sd` detect with power
-    `target` (two-sided paired t-test at `alpha`), by bisection on `power_at`."""
+    `target` (two-sided paired t-test at `alpha`), by bisection on `power_at`.
+
+    The bracket grows until it holds the answer: with 2 pairs and a Bonferroni alpha the MDE is
+    tens of SDs (46 SD at alpha 0.05/4), and a fixed bracket would report its own edge."""
     if n < 2 or sd <= 0:
         return math.nan
-    lo, hi = 0.0, 20.0 * sd
+    lo, hi = 0.0, 20.0 * sd  # as before where it holds the answer: the same bisection
+    while power_at(hi, sd, n, alpha) < target:  # power tends to 1 as the effect grows
+        lo, hi = hi, 2 * hi
     for _ in range(80):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if power_at(mid, sd, n, alpha) < target else (lo, mid)
