@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gear.compare import GATE_MIN_SEEDS, run_record
+from gear.compare import GATE_MIN_SEEDS, GATE_TREND, read_rule, run_record
 from gear.evidence import RecordStore, head_commit
 from gear.models import content_hash
 
@@ -273,8 +273,11 @@ def bootstrap_share(x: list[float], oracle: list[float], seed: int = 0, n: int =
     return {"share": point, "ci95": ci, "resamples": n, "dropped": dropped}
 
 
-def stage_a(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dict[str, Any]:
-    """The gate (gear compare's, on grpo) and headroom: oracle - grpo at 95%."""
+def stage_a(
+    runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int], gate_trend: str = GATE_TREND
+) -> dict[str, Any]:
+    """The gate (gear compare's, on grpo, with the study rule's trend check) and headroom:
+    oracle - grpo at 95%."""
     from gear.evidence import compare_arms, paired
 
     both = [s for s in seeds if s in runs.get("grpo", {}) and s in runs.get("oracle", {})]
@@ -286,6 +289,7 @@ def stage_a(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dic
         alpha=ALPHA,
         effect=EFFECT,
         gate_min_seeds=GATE_MIN_SEEDS,  # gear compare's gate, as the rule says
+        gate_trend=gate_trend,
     )
     diff = paired(
         [metric(runs["oracle"][s]) for s in both], [metric(runs["grpo"][s]) for s in both]
@@ -339,7 +343,8 @@ def report() -> dict[str, Any]:
     if plan_ is not None:
         seeds = list(range(plan_["n"]))
         runs = finished(STUDY)
-        a = stage_a(runs, seeds)
+        rule = read_rule(STUDY) or {}
+        a = stage_a(runs, seeds, rule.get("gate_trend", GATE_TREND))
         out["stage_a"] = a
         complete = not a["missing"]
         if complete and not a["headroom"]:

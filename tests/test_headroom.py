@@ -17,7 +17,8 @@ def _ci95(r: dict, arm: str) -> list[float]:
 
 def run(after: float, before: float = 0.40) -> dict:
     return {"before": {"mean_reward": before, "pass@1": before},
-            "after": {"mean_reward": after, "pass@1": after}, "reward": [0.3, 0.4, 0.5]}  # fmt: skip
+            "after": {"mean_reward": after, "pass@1": after}, "reward": [0.3, 0.4, 0.5],
+            "steps": [1, 2, 3]}  # fmt: skip
 
 
 GRPO = [0.50, 0.52, 0.47, 0.55, 0.49]
