@@ -87,6 +87,9 @@ def checkpoint(seed: int = 0) -> dict[str, Any]:
         raise SystemExit(f"issue 51's seed {seed} has no chosen SFT step")
     step = original["chosen"]["step"]
     recorded = next(c for c in original["checks"] if c["step"] == step)
+    out = checkpoint_dir(seed)
+    if (out / "adapter_model.safetensors").is_file():
+        return checked(seed, step, recorded, original)
     t0, commit = time.time(), head_commit(ROOT)
     model, tok = af.lora_model(seed)
     model.train()
@@ -102,9 +105,10 @@ def checkpoint(seed: int = 0) -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
         print(f"seed {seed}: SFT step {s + 1}/{step}, loss {losses[-1]:.4f}", flush=True)
-    out = checkpoint_dir(seed)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    records().put(f"training-seed{seed}", {"loss": losses, "wall_s": time.time() - t0,
+                                           "commit": commit, "threads": torch.get_num_threads()})  # fmt: skip
     check = af.check(model, tok)
     record = {
         "seed": seed,
@@ -359,6 +363,39 @@ def report() -> dict[str, Any]:
 
     write_json(OUT, out)
     return out
+
+
+def checked(seed: int, step: int, recorded: dict, original: dict) -> dict[str, Any]:
+    """The record of a checkpoint saved by a piece that stopped before its check (issue 58's
+    first piece was killed by the OOM killer while checking): the saved adapter, merged, is
+    checked now; its training is read from the piece's record or, failing that, its log."""
+    from gear.models import load_model_and_tokenizer
+    from studies import after_format as af
+
+    out = checkpoint_dir(seed)
+    training = records().get(f"training-seed{seed}")
+    if training is None:  # the first piece logged its losses only
+        log = (RUNS.parent / "headroom-checkpoint.log").read_text().splitlines()
+        losses = [float(x.rsplit("loss ", 1)[1]) for x in log if f"seed {seed}: SFT step" in x]
+        training = {"loss": losses, "wall_s_approx": 2000, "commit": "bea89be", "threads": 1,
+                    "stopped": "killed by the OOM killer during its check, after saving the "
+                    "adapter (16:37 UTC); losses read from its log (4 decimals)"}  # fmt: skip
+    t0 = time.time()
+    model, tok = load_model_and_tokenizer(str(out), dtype=torch.float32)
+    check = af.check(model, tok)
+    record = {
+        "seed": seed, "step": step, "path": str(out.relative_to(ROOT)),
+        "sha256": content_hash(out), "check": check, "recorded_check": recorded,
+        "loss": training["loss"], "original_loss": original.get("loss", [])[:step],
+        "training": training, "check_wall_s": time.time() - t0, "commit": head_commit(ROOT),
+        "capability": torch.backends.cpu.get_cpu_capability(), "rule": RULE,
+        "wall_s": training.get("wall_s", training.get("wall_s_approx", 0)) + time.time() - t0,
+        "threads": torch.get_num_threads(),
+    }  # fmt: skip
+    records().put(f"checkpoint-seed{seed}", record)
+    print(f"seed {seed}: checkpoint at SFT step {step}: pass rate {check['pass_rate']:.4f} "
+          f"(issue 51: {recorded['pass_rate']:.4f}), sha256 {record['sha256'][:12]}", flush=True)  # fmt: skip
+    return record
 
 
 def status() -> None:
