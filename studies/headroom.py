@@ -170,12 +170,18 @@ def launch(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, thread
         if (d / "config.yaml").is_file() and run_record(d) is None
     )
     t0 = time.time()
+    piece["id"] = f"{out.name}-{only}-{int(t0)}"
+    put_piece(piece)  # kept while it runs: a piece killed with the session is still listed
     with log.open("a") as fh:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    piece |= {"wall_s": time.time() - t0, "exit": rc}
-    pieces = records().get("pieces") or []
-    records().put("pieces", [*pieces, piece])
+    put_piece(piece | {"wall_s": time.time() - t0, "exit": rc})
     print(f"{out.name} {only}: exit {rc} after {piece['wall_s']:.0f} s (log {log})", flush=True)
+
+
+def put_piece(piece: dict[str, Any]) -> None:
+    """Add or update (by its id) one piece in the records."""
+    pieces = [p for p in records().get("pieces") or [] if p.get("id") != piece["id"]]
+    records().put("pieces", [*pieces, piece])
 
 
 def finished(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
