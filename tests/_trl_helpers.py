@@ -84,3 +84,15 @@ def make_trainer(
     # session and useless for a tiny CPU model
     trainer.accelerator.free_memory = lambda *objects: list(objects)
     return trainer
+
+
+def first_chars(text: str, ground_truth: object = None) -> tuple[int, int] | None:
+    """A step checker for tests: a completion's first 3 characters are its 'first wrong step'."""
+    return (0, min(3, len(text))) if text else None
+
+
+def method_options(method: str) -> dict[str, Any]:
+    """make_trainer's options for credit method `method` (first_error: with `first_chars`)."""
+    return {"credit_method": method} | (
+        {"step_checker": first_chars} if method == "first_error" else {}
+    )

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _trl_helpers import byte_tokenizer, dataset, make_trainer
+from _trl_helpers import byte_tokenizer, dataset, make_trainer, method_options
 from gear.credit import METHODS, CreditParams, credit_details
 from gear.testing import tied_reward
 
@@ -58,7 +58,7 @@ def _skip_is_exact(trainer, inputs) -> dict:
 @pytest.mark.parametrize("method", sorted(set(METHODS) - {"grpo"}))
 def test_token_advantages_are_bit_identical_with_the_skip_on_and_off(tmp_path, tok, method):
     trainer = make_trainer(
-        tmp_path, tok, credit_method=method, reward_funcs=tied_reward(0.5),
+        tmp_path, tok, **method_options(method), reward_funcs=tied_reward(0.5),
         per_device_train_batch_size=8, num_generations=2, prefix_sharing=False,
     )  # fmt: skip
     inputs = _batch(trainer)

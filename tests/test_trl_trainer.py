@@ -13,7 +13,15 @@ from datasets import Dataset
 
 import gear.integrations.trl.credit as trl_credit
 import gear.integrations.trl.forwards as trl_forwards
-from _trl_helpers import byte_tokenizer, dataset, hash_reward, make_trainer, parameters, tiny_model
+from _trl_helpers import (
+    byte_tokenizer,
+    dataset,
+    hash_reward,
+    make_trainer,
+    method_options,
+    parameters,
+    tiny_model,
+)
 from gear.credit import METHODS, CreditParams, credit_details, signals_from_logits
 from gear.integrations.trl import GEARTrainer
 from gear.teacher import HINT_TEMPLATES, teacher_prompt
@@ -46,7 +54,7 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     options = (
         {"loss_mode": "self_distill", "reward_funcs": None}
         if mode == "self_distill"
-        else {"credit_method": mode}
+        else method_options(mode)
     )
     trainer = make_trainer(tmp_path, tok, **options)
     before = parameters(trainer.model)
@@ -57,15 +65,15 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     expected = ("gear/kl_mean", "gear/entropy_mean") if mode == "self_distill" else SPEC_METRICS
     # a signal the method never computes has no mean: None in the logs, never 0
     unmeasured = {"grpo": ("gear/kl_mean", "gear/entropy_mean"), "entropy_top": ("gear/kl_mean",)}
-    unmeasured["oar_g"] = unmeasured["grpo"]
+    unmeasured["oar_g"] = unmeasured["first_error"] = unmeasured["grpo"]
     for key in expected:
         assert key in logs, key
         none = key in unmeasured.get(mode, ())
         assert (logs[key] is None) if none else math.isfinite(logs[key]), key
-    if mode not in ("grpo", "self_distill", "oar_g"):  # these skip the signal passes
+    if mode not in ("grpo", "self_distill", "oar_g", "first_error"):  # no signal passes
         assert logs["gear/entropy_mean"] > 0
         assert set(logs) >= TIMINGS
-    if mode not in ("grpo", "self_distill", "entropy_top", "oar_g"):  # no teacher, no KL
+    if mode not in ("grpo", "self_distill", "entropy_top", "oar_g", "first_error"):  # no KL
         assert logs["gear/kl_mean"] > 0
     if mode == "oar_g":  # no teacher, no signal pass: its own influence pass
         assert trainer.teacher_model is None and not trainer._needs_signals
