@@ -5,11 +5,13 @@ full-logit oracle of phi under the raw logits (the authors', not the sampling te
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from _trl_helpers import byte_tokenizer, dataset, make_trainer, parameters, tiny_model
 from gear.credit.attribution import answer_span
@@ -189,3 +191,22 @@ def test_perturbation_of_a_padded_batch_equals_the_authors_loop(sharing, mode):
         torch.testing.assert_close(got[i][scored[i]].double(), torch.tensor(want, dtype=torch.float64),
                                    rtol=1e-4, atol=1e-6)  # fmt: skip
         assert torch.all(got[i][~scored[i]] == 0)
+
+
+def test_gear_train_runs_oar_p(tmp_path):
+    """`gear train --method oar_p`: the task's answer parser places the span, a step trains
+    and logs the masked-copy pass's time."""
+    from typer.testing import CliRunner
+
+    from gear.cli import app
+    from gear.testing import save_tiny_model, tiny_run_args
+
+    model = save_tiny_model(tmp_path / "tiny", vocab="bytes")
+    out = tmp_path / "run"
+    args = ["train", "--method", "oar_p", "--model", str(model), "--output-dir", str(out),
+            "--steps", "1", "--set", "credit_oar_pfinal=answer_mean", *tiny_run_args(eval_n=0)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["gear/time_influence"] > 0 and "gear/time_teacher" not in step
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["credit_method"] == "oar_p"
