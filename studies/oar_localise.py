@@ -36,10 +36,21 @@ def cache_path() -> Any:
     return af.rows_dir(False) / "oar.pt"
 
 
+#: tokens per forward of OAR-P's masked copies: a whole row's copies in one chunk here (its
+#: prefix computed once); the scores do not depend on it
+TOKENS_PER_FORWARD = 4096
+
+
 def used_groups(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The prompts whose rows the reading uses: those with a failed row (placebo rows come from
     them alone)."""
     return [g for g, recs in rows.items() if any("error" in r for r in recs)]
+
+
+def used(r: dict[str, Any]) -> bool:
+    """A row the reading can use: failed with a checked error, or correct with the equations a
+    placebo row needs (`localization.pseudo_failures`)."""
+    return "error" in r or bool(r.get("equations"))
 
 
 def group_scores(model: Any, tok: Any, task: Any, prompt: list[int], recs: list[dict]) -> dict:
@@ -66,9 +77,11 @@ def group_scores(model: Any, tok: Any, task: Any, prompt: list[int], recs: list[
     infl = answer_influence(fw, model, ids, mask, spans.span, B)
     masked = tokens_before(spans.answer_mask, valid)
     pert = answer_perturbation(
-        fw, model, ids, mask, spans.span, masked, mask_token_id(tok), "answer_joint", B * (P + T)
-    )
+        fw, model, ids, mask, spans.span, masked, mask_token_id(tok), "answer_joint",
+        TOKENS_PER_FORWARD,
+    )  # fmt: skip
     return {
+        "ids": [list(r["ids"]) for r in recs],
         "influence": [infl[i, : len(r["ids"])].tolist() for i, r in enumerate(recs)],
         "perturbation": [pert[i, : len(r["ids"])].tolist() for i, r in enumerate(recs)],
         "answer": [spans.answer_mask[i, : len(r["ids"])].tolist() for i, r in enumerate(recs)],
@@ -94,7 +107,7 @@ def score() -> None:
         assert rows[g][0]["case"]["prompt"] == row["prompt"], f"{g}: not the rows' prompt"
         with torch.no_grad():  # OAR-G's pass turns the input gradient on for itself
             done[g] = group_scores(model, tok, af.task(), onpolicy.render(tok, row["prompt"]),
-                                   rows[g])  # fmt: skip
+                                   [r for r in rows[g] if used(r)])  # fmt: skip
         if (k + 1) % 4 == 0 or k + 1 == len(todo):
             onpolicy.save_cache(cache_path(), done)
             print(f"oar scores: {k + 1}/{len(todo)} prompts, {time.time() - t0:.0f} s", flush=True)
@@ -146,7 +159,7 @@ def localise() -> dict[str, Any]:
     if missing:
         raise SystemExit(f"{len(missing)} prompts have no OAR scores: run `score` first")
     for g in used_groups(rows):  # a record is found by its ids within its prompt
-        scores[g]["index"] = {tuple(r["ids"]): i for i, r in enumerate(rows[g])}
+        scores[g]["index"] = {tuple(ids): i for i, ids in enumerate(scores[g]["ids"])}
     sets = {g: rows[g] for g in used_groups(rows)}
     bad = with_scores([r for v in sets.values() for r in v if "error" in r], scores)
     plc = with_scores(af.placebo(sets), scores)

@@ -45,6 +45,7 @@ def study(monkeypatch, tmp_path):
         p = data[j]["prompt"]
         texts = [(WRONG, j < 2), (RIGHT, False), (RIGHT, False)]
         rows[g] = [record(tok, g, p, t, w) for t, w in texts]
+        rows[g].append({**rows[g][1], "equations": []})  # no placebo can use it: not scored
     onpolicy.save_cache(af.rows_dir(False) / "natural.pt", rows)
     return tmp_path
 
@@ -58,6 +59,7 @@ def test_scores_every_used_prompt_once_and_reads_the_rule(study):
     assert sorted(k for k in scores if k != "_pieces") == ["natural-0", "natural-1"]
     assert len(scores["_pieces"]) == 1 and scores["_pieces"][0]["prompts"] == 2
     s = scores["natural-0"]
+    assert len(s["ids"]) == 3 and len(s["perturbation"]) == 3
     n = WRONG.rindex("15")  # the answer "15" starts there (one byte a token)
     assert s["answer"][0][n : n + 2] == [True, True] and not any(s["fallback"])
     # OAR-P masks only the tokens before the answer; nothing after its first token moves phi
@@ -82,7 +84,7 @@ def test_oar_weights_keep_the_answer_and_what_follows_at_one(study):
 
     rows = onpolicy.load_cache(af.rows_dir(False) / "natural.pt")
     scores = onpolicy.load_cache(ol.cache_path())
-    scores["natural-0"]["index"] = {tuple(r["ids"]): i for i, r in enumerate(rows["natural-0"])}
+    scores["natural-0"]["index"] = {tuple(x): i for i, x in enumerate(scores["natural-0"]["ids"])}
     (r,) = ol.with_scores(rows["natural-0"][:1], scores)
     n = WRONG.rindex("15")
     for m in ol.METHODS:
