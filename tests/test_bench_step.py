@@ -101,3 +101,16 @@ def test_oar_arms_train_with_their_credit_method_and_time_their_influence_pass(
     assert set(summary) == set(oar.ARMS) and all(s["steps"] == 1 for s in summary.values())
     p = summary["oar_p"]
     assert p["wall_s_per_1k"] == pytest.approx(p["wall_s"] / (p["completion_tokens"] / 1000))
+
+
+def test_oar_passes_time_each_pass_and_the_shared_prefix_changes_no_score():
+    from benchmarks import oar
+
+    args = argparse.Namespace(completions=3, completion_length=6, temperature=1.0, seed=0,
+                              repeats=1)  # fmt: skip
+    tok = byte_tokenizer()
+    data = get_task("arithmetic").dataset("train", n=3, seed=0)
+    out = oar.passes(tiny_model(tok), tok, data, args)
+    assert out["rows"] == 3 and out["masked_tokens"] > 0
+    assert all(v > 0 for v in out["cpu_s"].values())
+    assert out["max_abs_difference_shared_unshared"] < 1e-5 < out["max_score"]
