@@ -66,7 +66,9 @@ from gear.config import checkpointing_field
 from gear.testing import tied_reward
 
 CHECKPOINTING = checkpointing_field(TrainingArguments)  # renamed in transformers 5.18
-GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "contrast", "credit")
+GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "contrast", "influence", "credit")
+#: arms of `run` named after the credit method they train with (benchmarks/oar.py)
+CREDIT_ARMS = ("oar_g", "oar_p")
 METHODS = ("grpo", "gear", "gear_unshared", "gear_contrast", "gear_before")
 
 
@@ -147,7 +149,7 @@ def run(
         trainer = GRPOTrainer(args=config, **common)
     else:  # gear train's recipe (gear.run) with this config
         gear = dict(
-            credit_method="gear",
+            credit_method=method if method in CREDIT_ARMS else "gear",
             teacher="current",
             credit_log_steps=0,
             prefix_sharing=method != "gear_unshared",
@@ -198,6 +200,7 @@ def run(
             "cpu_s": clock.cpus[i],
             "generation_s": gen_times[i],
             "completion_tokens": entry.get("num_tokens"),
+            "completion_mean_length": entry.get("completions/mean_length"),
             "rows_skipped": float(entry.get("gear/rows_skipped", 0.0)),
             "teacher_tokens": float(entry.get("gear/teacher_tokens", 0.0)),
         }

@@ -75,3 +75,42 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
     assert len(adapters) == 5 and all(
         [c.r for c in a.values()] == ([lora] if lora else []) for a in adapters
     )
+
+
+def test_oar_arms_train_with_their_credit_method_and_time_their_influence_pass(
+    tmp_path, monkeypatch, cpu_only
+):
+    """benchmarks/oar.py's arms: `gear train`'s trainer with credit_method = the arm, no teacher
+    pass, the influence pass timed and taken out of the rest; `summarise` gives per-1k figures."""
+    from benchmarks import oar
+
+    args = argparse.Namespace(
+        model="tiny", steps=2, completions=4, generations=2, completion_length=4, bf16=False,
+        seed=0, learning_rate=1e-2, temperature=1.0, lora=0, tie_share=0.0,
+    )  # fmt: skip
+    tok = byte_tokenizer()
+    data = get_task("arithmetic").dataset("train", n=8, seed=0)
+    rows = []
+    for arm in oar.ARMS:
+        rows += step.run(arm, tiny_model(tok), tok, data, args, str(tmp_path / arm))
+    for r in rows:
+        assert (r["influence_s"] > 0) == (r["method"] != "grpo") and r["teacher_s"] == 0
+        assert r["rest_s"] == pytest.approx(r["wall_s"] - r["generation_s"] - r["signals_s"]
+                                            - r["influence_s"] - r["credit_s"])  # fmt: skip
+    summary = {s["method"]: s for s in oar.summarise(rows, 4)}
+    assert set(summary) == set(oar.ARMS) and all(s["steps"] == 1 for s in summary.values())
+    p = summary["oar_p"]
+    assert p["wall_s_per_1k"] == pytest.approx(p["wall_s"] / (p["completion_tokens"] / 1000))
+
+
+def test_oar_passes_time_each_pass_and_the_shared_prefix_changes_no_score():
+    from benchmarks import oar
+
+    args = argparse.Namespace(completions=3, completion_length=6, temperature=1.0, seed=0,
+                              repeats=1)  # fmt: skip
+    tok = byte_tokenizer()
+    data = get_task("arithmetic").dataset("train", n=3, seed=0)
+    out = oar.passes(tiny_model(tok), tok, data, args)
+    assert out["rows"] == 3 and out["masked_tokens"] > 0
+    assert all(v > 0 for v in out["cpu_s"].values())
+    assert out["max_abs_difference_shared_unshared"] < 1e-5 < out["max_score"]

@@ -402,6 +402,48 @@ def test_oar_g_trains_in_the_gym_from_the_answer_influence():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("spec", ["oar_p", "oar_p@oar_span=reference,oar_pfinal=last"])
+def test_oar_p_trains_in_the_gym_from_masked_copies(spec):
+    """`oar_p` as a gym arm: each token before the answer replaced by <bos> (the gym has no pad
+    token) gives the authors' score (`gear.testing.perturbation_loop`), only on the rows `scored`
+    (a tied row runs no copy); the credit keeps the answer and what follows at w = 1, and a step
+    changes the parameters."""
+    from gear.gym.task import BOS
+    from gear.testing import perturbation_loop
+
+    task = ChainTask(3)
+    model = build_model(TINY, task).eval()
+    arm = parse_arm(spec)
+    problems = task.problems(4, torch.Generator().manual_seed(3))
+    comp = torch.randint(
+        0, 10, (4, task.completion_len), generator=torch.Generator().manual_seed(1)
+    )
+    scored = torch.tensor([True, True, False, True])
+    got = answer_influence(model, arm, task, problems, comp, scored=scored)
+    ids, span, _ = oar_span(arm.params(0), task, problems, comp)
+    P, T = task.prompts(problems).shape[1], task.completion_len
+    n = T if "reference" in spec else T - 2  # tokens before the answer
+    mode = arm.params(0).oar_pfinal
+    for i in range(4):
+        row = torch.cat([task.prompts(problems)[i], ids[i]]).tolist()
+        want = [0.0] * T
+        if scored[i]:
+            span_pos = [P + int(c) for c in span[i].nonzero().flatten()]
+            want[:n] = perturbation_loop(model, row, list(range(P, P + n)), span_pos, BOS, mode)
+        torch.testing.assert_close(got[i].double(), torch.tensor(want, dtype=torch.float64),
+                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+    adv = torch.tensor([1.0, -1.0, 0.0, -0.5])
+    logits = torch.zeros(*comp.shape, 16)
+    w = credit(arm, task, problems, comp, adv, logits, logits, 0, influence=got)
+    w = w[[0, 1, 3]] / adv[[0, 1, 3], None]
+    assert torch.allclose(w[:, n:], torch.ones(3, T - n)) and not torch.allclose(
+        w, torch.ones_like(w)
+    )
+    assert torch.allclose(w[:, :n].mean(dim=1), torch.ones(3, dtype=w.dtype))
+    out = step_until_update(model.train(), spec, task, tries=5)
+    assert out["updated"] == 1.0
+
+
 def test_oar_g_spans_in_the_gym():
     """'answer': the last result digit (the reward's), without the ";" after it; 'last': the
     last "r;" (k = 2, gear before issue 53); 'reference': the true final digit appended, the

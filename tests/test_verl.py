@@ -92,6 +92,8 @@ def test_random_shape_needs_what_its_candidate_reads():
     assert entropy.needs_signals and not entropy.needs_teacher
     with pytest.raises(GearConfigError, match="influence"):
         settings("oar_g")  # verl computes no answer influence yet, for oar_g or its placebo
+    with pytest.raises(GearConfigError, match=r"one forward per masked token.*collective"):
+        settings("oar_p")  # OAR-P's data-dependent forwards would desynchronise sharded ranks
     with pytest.raises(GearConfigError, match="step checker"):
         settings("first_error")  # nor a step checker's mask
 
@@ -259,13 +261,14 @@ def expected_token_advantages(rewards, mask, uids, signals, method, eps=1e-4, no
     )
 
 
-#: estimators whose signals verl's trainer computes (OAR-G's answer influence and a step
+#: estimators whose signals verl's trainer computes (OAR's answer influence and a step
 #: checker's mask it does not yet: `check_gear_config` refuses those, and a direct call names the
 #: missing signal, tested below)
 COMPUTED = sorted(
     n
     for n, m in VERL_ESTIMATORS.items()
-    if not {"influence", "error_mask"} & set(CreditParams(method=m).required_signals)
+    if not {"influence", "perturbation", "error_mask"}
+    & set(CreditParams(method=m).required_signals)
 )
 
 

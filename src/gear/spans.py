@@ -100,6 +100,17 @@ def answer_spans(
     return AnswerSpans(ids, mask, span, last & ~found[:, None], ~found)
 
 
+def mask_token_id(tokenizer: Any) -> int:
+    """The id OAR-P puts in place of a masked token: the tokenizer's pad token, as the authors
+    do (SmolLM2's is its end token <|im_end|>, id 2), else its end-of-sequence token."""
+    for name in ("pad_token_id", "eos_token_id"):
+        if isinstance(getattr(tokenizer, name, None), int):
+            return getattr(tokenizer, name)
+    raise ValueError(
+        "oar_p: the tokenizer has neither a pad nor an end-of-sequence token to mask with"
+    )
+
+
 def answer_token_mask(
     tokenizer: Any, completion_ids: Tensor, completion_mask: Tensor, locate: LocateAnswer
 ) -> Tensor:

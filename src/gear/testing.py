@@ -7,6 +7,8 @@ Benchmarks and scripts import these instead of putting `tests/` on `sys.path`.
   code shared with `gear.credit` (this module imports nothing from it), so that tests and
   benchmarks can check the vectorised implementation against it.
 - `oar_row`: a plain per-token loop of OAR-G's bi-level reshaping (docs/spec.md, `oar_g`).
+- `perturbation_loop`: OAR-P's scores of one row as the authors compute them, one masked copy
+  and one full forward at a time (docs/spec.md, `oar_p`).
 - Tiny fixtures for TRL runs, built in code with no download: `byte_tokenizer` /
   `load_tokenizer` (left padding), `tiny_model`, `dataset`, `hash_reward`, `fast_kwargs`;
   `tiny_model_and_tokenizer` is `gear.models.tiny_model_and_tokenizer`.
@@ -34,6 +36,7 @@ __all__ = [
     "load_tokenizer",
     "normalise",
     "oar_row",
+    "perturbation_loop",
     "save_tiny_model",
     "tiny_model",
     "tiny_model_and_tokenizer",
@@ -263,6 +266,46 @@ def oar_row(
         "token_advantages": [adv * w[t] if valid[t] else 0.0 for t in range(T)],
         "source": s,
     }
+
+
+def perturbation_loop(
+    model: Any, row: list[int], masked: list[int], span: list[int], pad: int, mode: str
+) -> list[float]:
+    """OAR-P (arXiv 2601.07408) on one row as the authors compute it: one masked copy at a
+    time, each a full forward with no cache, in float64 from the model's raw logits.
+
+    Args:
+        model: a causal LM called as `model(input_ids=...)`, returning `.logits`.
+        row: the unpadded ids; masked, span: positions in it (the tokens to mask, the answer).
+        pad: the id a masked token becomes (its attention kept).
+        mode: 'answer_joint', |phi - phi_t| with phi the span's mean log-probability;
+            'answer_mean' / 'last', KL(p || p_t) of the softmax of the mean logits over the
+            positions that predict the span / of the logits at the one predicting its first
+            token.
+    Returns: one score per masked position.
+    """
+    import torch
+
+    read = [s - 1 for s in (span[:1] if mode == "last" else span)]
+
+    def final(ids: list[int]) -> Any:
+        with torch.no_grad():
+            z = model(input_ids=torch.tensor([ids])).logits[0].double()
+        if mode == "answer_joint":
+            logp = torch.log_softmax(z, -1)
+            return sum(float(logp[s - 1, ids[s]]) for s in span) / len(span)
+        return torch.log_softmax(z[read].mean(0), -1)
+
+    base, out = final(row), []
+    for t in masked:
+        copy = list(row)
+        copy[t] = pad
+        got = final(copy)
+        if mode == "answer_joint":
+            out.append(abs(base - got))
+        else:
+            out.append(float((base.exp() * (base - got)).sum()))
+    return out
 
 
 # ----------------------------------------------------------------------------- tiny TRL fixtures

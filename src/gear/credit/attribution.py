@@ -10,6 +10,12 @@ log-probability of the span's tokens given everything before them, from the mode
 logits (the authors'; no sampling temperature). OAR-G reshapes the tokens before the span
 (`tokens_before`). This module takes the model as a callable, so the gym and the trainers share
 it and `gear.credit` imports no trainer.
+
+OAR-P, the authors' other strategy, measures the same change without a gradient
+(`perturbation_influence`): each scored token in turn is replaced by the pad token (attention
+kept on it, as the authors do), the model is run on every masked copy, and the score is how far
+the final answer moves (`PFINAL_MODES`). Masking token t changes positions >= t only, so the
+copies of a row are run in chunks that share the clean prefix before their first masked token.
 """
 
 from __future__ import annotations
@@ -68,12 +74,17 @@ def span_logprob(
         targets: (N, k) long span token ids. real: (N, k) bool, a real span token.
         temperature, softcap: pi = softmax(softcap(z) / temperature), as the policy samples.
     """
-    z = z.to(torch.promote_types(z.dtype, torch.float32))  # bf16 heads: the softmax in fp32
+    logp = scaled(z, temperature, softcap).log_softmax(-1).gather(-1, targets[..., None])
+    logp = torch.where(real, logp.squeeze(-1), 0.0)
+    return logp.sum(dim=1) / real.sum(dim=1).clamp(min=1)
+
+
+def scaled(z: Tensor, temperature: float = 1.0, softcap: float | None = None) -> Tensor:
+    """softcap(z) / temperature, in at least float32 (bf16 heads: the softmax in fp32)."""
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    logp = torch.log_softmax(z / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    logp = torch.where(real, logp, 0.0)
-    return logp.sum(dim=1) / real.sum(dim=1).clamp(min=1)
+    return z / temperature
 
 
 def input_gradient_influence(score: Callable[[Tensor], Tensor], embeds: Tensor) -> Tensor:
@@ -106,3 +117,85 @@ def masked_quantile(x: Tensor, valid: Tensor, q: float) -> Tensor:
     frac = pos - lo.to(x.dtype)
     tau = torch.where(frac > 0, a + frac * (b - a), a)
     return torch.where(n > 0, tau, 0.0)
+
+
+#: OAR-P's score of a masked copy (the authors' `pfinal_mode`): 'answer_joint', |phi - phi_t|
+#: with phi the span's mean log-probability (OAR-G's phi); 'answer_mean', KL(p || p_t) of the
+#: distributions of the mean logits over the positions that predict the span; 'last', KL(p ||
+#: p_t) at the position that predicts the span's first token
+PFINAL_MODES = ("answer_joint", "answer_mean", "last")
+
+
+def perturbation_influence(
+    hidden: Callable[[Tensor, int], Tensor],
+    head: Callable[[Tensor], Tensor],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    span: Tensor,
+    scored: Tensor,
+    pad_id: int,
+    mode: str = "answer_joint",
+    tokens_per_forward: int = 4096,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+) -> Tensor:
+    """(B, T) float32 OAR-P influence: how far the final answer moves when a `scored` token is
+    replaced by `pad_id` (its attention kept), one masked copy per token (`PFINAL_MODES`); 0
+    elsewhere and on rows without a span or a scored token.
+
+    Each row runs without its padding and ends at its last span token (nothing later moves
+    phi). Its clean copy and masked copies go in chunks of consecutive masked positions, as many
+    as keep copies x suffix within `tokens_per_forward`; a chunk's copies agree up to its first
+    masked position, so `hidden` may compute that prefix once (`gear.prefix`). Cost: one forward
+    of the suffix per scored token, O(T) forwards a row where OAR-G's is one backward.
+
+    Args:
+        hidden: ((b, L') ids, n) -> (b, n, H) final hidden states predicting each row's last n
+            tokens; the first L' - n columns are the same in every row.
+        head: (..., H) -> (..., V) the LM head.
+        input_ids, attention_mask: (B, L) prompt + completion (+ any appended reference), the
+            completion in the last T columns.
+        span: (B, T) bool, the answer's tokens. scored: (B, T) bool, the tokens to mask, all
+            before the row's span (`tokens_before`).
+        temperature, softcap: the model's logit conventions (the raw logits: no sampling
+            temperature, as the authors score).
+    """
+    if mode not in PFINAL_MODES:
+        raise ValueError(f"mode: expected one of {PFINAL_MODES}, got {mode!r}")
+    B, T = span.shape
+    L = input_ids.shape[1]
+    pos = attention_mask.long().cumsum(1) - 1  # a column's position in its unpadded row
+    out = torch.zeros(B, T, dtype=torch.float32, device=span.device)
+    for i in range(B):  # rows differ in prefix and length; a row's copies are batched
+        cols = scored[i].nonzero().squeeze(1)
+        if cols.numel() == 0 or not bool(span[i].any()):
+            continue
+        where = pos[i, L - T + cols]  # (R,) positions of the masked tokens
+        answer = pos[i, L - T :][span[i]]  # (k,) positions of the span's tokens
+        row = input_ids[i][attention_mask[i].bool()][: int(answer[-1]) + 1]
+        targets = row[answer]
+        if mode == "last":
+            answer = answer[:1]
+        R = cols.numel()
+        copies = row.repeat(R + 1, 1)  # copy 0 is the clean row
+        copies[torch.arange(1, R + 1, device=row.device), where] = pad_id
+        start = torch.cat([where[:1], where]).tolist()  # where each copy leaves the clean row
+        base, scores, a = None, [], 0
+        while a <= R:  # chunks of copies
+            n = row.numel() - start[a]
+            b = min(R + 1, a + max(1, tokens_per_forward // n))
+            z = scaled(head(hidden(copies[a:b], n)[:, answer - start[a]]), temperature, softcap)
+            if mode == "answer_joint":  # phi: the span's mean log-probability, (c,)
+                f = z.log_softmax(-1).gather(-1, targets.expand(b - a, -1)[..., None])
+                f = f.squeeze(-1).mean(1)
+            else:  # log p of the mean logits over the positions read, (c, V)
+                f = z.mean(1).log_softmax(-1)
+            if base is None:
+                base, f = f[0], f[1:]
+            if mode == "answer_joint":
+                scores.append((base - f).abs())
+            else:
+                scores.append((base.exp() * (base - f)).sum(-1))
+            a = b
+        out[i, cols] = torch.cat(scores).float().to(out.device)
+    return out

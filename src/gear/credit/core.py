@@ -151,6 +151,7 @@ def credit_details(
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
+    perturbation: Tensor | None = None,
     answer_mask: Tensor | None = None,
     error_mask: Tensor | None = None,
     params: CreditParams | None = None,
@@ -168,8 +169,11 @@ def credit_details(
         contrast_kl: (N, T) KL to a teacher shown a wrong ground truth (`params.contrast`).
         influence: (N, T) a token's influence on the final answer (`oar_g`;
             `gear.credit.attribution`).
-        answer_mask: (N, T) bool, the final answer's tokens in each completion (`oar_g`'s span,
-            `gear.spans`); None: each row's last `params.oar_answer_len` valid tokens.
+        perturbation: (N, T) how far the final answer moves when the token is masked (`oar_p`;
+            `gear.credit.attribution.perturbation_influence`).
+        answer_mask: (N, T) bool, the final answer's tokens in each completion (the span of
+            `oar_g` and `oar_p`, `gear.spans`); None: each row's last `params.oar_answer_len`
+            valid tokens.
         error_mask: (N, T) bool, the tokens of each row's first wrong step as a step checker
             marks them (`first_error`; `gear.spans.error_masks`); no True where it found none.
         params: `CreditParams`; default GEAR with the spec's defaults.
@@ -190,6 +194,7 @@ def credit_details(
         "teacher_logprobs": teacher_logprobs,
         "contrast_kl": contrast_kl,
         "influence": influence,
+        "perturbation": perturbation,
         "error_mask": None if error_mask is None else _as_float_mask(error_mask, response_mask),
     }
     if skipped is not None:  # unscored rows carry no signal: 0, never a fallback
@@ -265,6 +270,7 @@ def token_advantages(
     teacher_logprobs: Tensor | None = None,
     contrast_kl: Tensor | None = None,
     influence: Tensor | None = None,
+    perturbation: Tensor | None = None,
     answer_mask: Tensor | None = None,
     error_mask: Tensor | None = None,
     params: CreditParams | None = None,
@@ -281,6 +287,7 @@ def token_advantages(
         teacher_logprobs=teacher_logprobs,
         contrast_kl=contrast_kl,
         influence=influence,
+        perturbation=perturbation,
         answer_mask=answer_mask,
         error_mask=error_mask,
         params=params,

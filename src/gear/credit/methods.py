@@ -30,7 +30,15 @@ from gear.credit.attribution import answer_span, masked_quantile, tokens_before
 if TYPE_CHECKING:
     from gear.credit.params import CreditParams
 
-SIGNALS = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "influence", "error_mask")
+SIGNALS = (
+    "kl",
+    "entropy",
+    "student_logprobs",
+    "teacher_logprobs",
+    "influence",
+    "perturbation",
+    "error_mask",
+)
 #: which rows' signals a method reads: those with a non-zero advantage, or all of them
 ROWS = ("advantaged", "all")
 
@@ -45,10 +53,12 @@ class CreditInputs:
         kl, entropy, student_logprobs, teacher_logprobs: (N, T) float or None.
         influence: (N, T) float or None, a token's influence on the final answer (OAR-G,
             `gear.credit.attribution`).
+        perturbation: (N, T) float or None, how far the final answer moves when the token is
+            masked (OAR-P, `gear.credit.attribution.perturbation_influence`).
         error_mask: (N, T) float 0/1 or None, the tokens of each row's first wrong step as a
             step checker marks them (`first_error`; all 0 where it found none).
         answer_mask: (N, T) bool or None, the final answer's tokens in the completion (OAR-G's
-            span; None: each row's last `oar_answer_len` valid tokens).
+            and OAR-P's span; None: each row's last `oar_answer_len` valid tokens).
         turn_starts: (N, T) bool or None.
     """
 
@@ -59,6 +69,7 @@ class CreditInputs:
     student_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
     influence: Tensor | None = None
+    perturbation: Tensor | None = None
     error_mask: Tensor | None = None
     answer_mask: Tensor | None = None
     turn_starts: Tensor | None = None
@@ -374,19 +385,17 @@ def entropy_top(x: CreditInputs, p: CreditParams) -> MethodOutput:
     return MethodOutput(weights=w)
 
 
-@register_method("oar_g", requires=("influence",), rows="advantaged")
-def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
-    """OAR-G (Li et al., arXiv 2601.07408), conservative bi-level reshaping of a token's
-    influence on the final answer. The valid tokens before the answer span (`answer_mask`; all
-    of them where it is empty, as when the reference is appended; without it the last
-    `oar_answer_len` valid tokens) are reshaped; the span and what follows it keep w = 1:
-    s = min-max of log1p|influence|, tau its `oar_quantile`; w = max(s / tau, `oar_floor`)
-    below tau, 1 + `oar_boost` (s - tau) / (1 - tau) from tau on; then scaled to mean 1 over
-    those tokens. Not sign-aware: w does not depend on A."""
-    assert x.influence is not None
+def bilevel(x: CreditInputs, p: CreditParams, influence: Tensor) -> MethodOutput:
+    """OAR's conservative bi-level reshaping (Li et al., arXiv 2601.07408) of a token's
+    influence on the final answer, (N, T) -> weights (N, T). The valid tokens before the answer
+    span (`answer_mask`; all of them where it is empty, as when the reference is appended;
+    without it the last `oar_answer_len` valid tokens) are reshaped; the span and what follows
+    it keep w = 1: s = min-max of log1p|influence|, tau its `oar_quantile`; w = max(s / tau,
+    `oar_floor`) below tau, 1 + `oar_boost` (s - tau) / (1 - tau) from tau on; then scaled to
+    mean 1 over those tokens. Not sign-aware: w does not depend on A."""
     span = x.answer_mask if x.answer_mask is not None else answer_span(x.valid, p.oar_answer_len)
     scored = tokens_before(span, x.valid)
-    s = seg.minmax_normalise(torch.log1p(x.influence.abs()), scored)
+    s = seg.minmax_normalise(torch.log1p(influence.abs()), scored)
     tau = masked_quantile(s, scored, p.oar_quantile)
     low = s < tau  # only possible where tau > 0
     suppressed = (s / torch.where(tau > 0, tau, 1.0)).clamp(min=p.oar_floor)
@@ -396,6 +405,23 @@ def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
     total = w.sum(dim=1, keepdim=True)  # >= 1 where n > 0: the row's largest s is >= tau
     w = w * (n / torch.where(n > 0, total, 1.0))
     return MethodOutput(weights=torch.where(scored, w, 1.0), source=s)
+
+
+@register_method("oar_g", requires=("influence",), rows="advantaged")
+def oar_g(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """OAR-G: `bilevel` of each token's input-gradient influence on the answer's
+    log-probability (one backward, `gear.credit.attribution.input_gradient_influence`)."""
+    assert x.influence is not None
+    return bilevel(x, p, x.influence)
+
+
+@register_method("oar_p", requires=("perturbation",), rows="advantaged")
+def oar_p(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """OAR-P, the authors' other strategy: `bilevel` of how far the final answer moves when the
+    token is replaced by the pad token (`oar_pfinal`; one forward per token,
+    `gear.credit.attribution.perturbation_influence`)."""
+    assert x.perturbation is not None
+    return bilevel(x, p, x.perturbation)
 
 
 @register_method("first_error", requires=("error_mask",), rows="advantaged")

@@ -10,6 +10,8 @@ MODULATIONS = ("linear", "exp")
 #: what OAR-G's phi scores (docs/spec.md, OAR-G): the completion's parsed final answer, the
 #: reference answer appended after the completion (the authors' way), or the last k tokens
 OAR_SPANS = ("answer", "reference", "last")
+#: what OAR-P measures of the answer on each masked copy (`gear.credit.attribution.PFINAL_MODES`)
+OAR_PFINAL = ("answer_joint", "answer_mean", "last")
 #: fields the trainers (TRL, verl) do not take as credit fields: `contrast` needs a second
 #: teacher pass, which their `teacher_context` setting ('contrast') turns on with it
 CONTEXT_FIELDS = ("contrast",)
@@ -68,7 +70,8 @@ class CreditParams:
     oar_span: str = field(
         default="answer",
         metadata={
-            "help": "oar_g: the tokens whose log-probability phi the influence is measured on. "
+            "help": "oar_g, oar_p: the tokens whose log-probability phi the influence is "
+            "measured on. "
             "'answer': the completion's own final answer as the task parses it (its tokens, "
             "found through the tokenizer's offsets; no end token); they and the tokens after "
             "them keep weight 1. 'reference': the authors' way, the reference answer (the "
@@ -81,22 +84,36 @@ class CreditParams:
     oar_answer_len: int = field(
         default=2,
         metadata={
-            "help": "oar_g: k, the span of oar_span='last' and of the rows whose answer is not "
+            "help": "oar_g, oar_p: k, the span of oar_span='last' and of the rows whose answer is not "
             "found: each row's last k policy tokens, which keep weight 1."
         },
     )
     oar_quantile: float = field(
         default=0.5,
         metadata={
-            "help": "oar_g: quantile of a row's influence that splits low from high, [0, 1]."
+            "help": "oar_g, oar_p: quantile of a row's influence that splits low from high, [0, 1]."
         },
     )
     oar_boost: float = field(
         default=1.0,
-        metadata={"help": "oar_g: the most influential token gets 1 + oar_boost before rescaling."},
+        metadata={
+            "help": "oar_g, oar_p: the most influential token gets 1 + oar_boost before rescaling."
+        },
     )
     oar_floor: float = field(
-        default=0.1, metadata={"help": "oar_g: least weight of a low-influence token, in [0, 1]."}
+        default=0.1,
+        metadata={"help": "oar_g, oar_p: least weight of a low-influence token, in [0, 1]."},
+    )
+    oar_pfinal: str = field(
+        default="answer_joint",
+        metadata={
+            "help": "oar_p: what a masked copy's score measures (the authors' pfinal_mode). "
+            "'answer_joint': |phi - phi_masked|, phi the span's mean log-probability (OAR-G's "
+            "phi). 'answer_mean': KL(p || p_masked) of the softmax of the mean logits over the "
+            "positions that predict the span. 'last': KL(p || p_masked) at the position that "
+            "predicts the span's first token. oar_g takes 'answer_joint' only (the gradient of "
+            "a KL vanishes at the clean input)."
+        },
     )
     success_floor: float = field(
         default=0.0,
@@ -174,6 +191,14 @@ class CreditParams:
             raise bad("oar_boost", "a number >= 0")
         if not 0 <= self.oar_floor <= 1:
             raise bad("oar_floor", "a number in [0, 1]")
+        if self.oar_pfinal not in OAR_PFINAL:
+            raise bad("oar_pfinal", f"one of {list(OAR_PFINAL)}")
+        if self.oar_pfinal != "answer_joint" and "influence" in self.required_signals:
+            raise bad(
+                "oar_pfinal",
+                "'answer_joint' with oar_g (its input gradient is of phi; a KL's gradient "
+                "vanishes at the clean input): the KL modes are oar_p's",
+            )
         for name in ("preserve_mass", "contrast"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")

@@ -31,12 +31,16 @@ from gear.credit import METHODS, CreditParams, token_advantages
 from gear.credit.attribution import (
     answer_span,
     input_gradient_influence,
+    perturbation_influence,
     span_logprob,
     span_positions,
+    tokens_before,
 )
 from gear.credit.signals import ESTIMATORS, signals_from_logits
 from gear.gym.model import ModelConfig, build_model, completion_logits, evaluate, sample
-from gear.gym.task import RESULT_OFFSET, STEP_LEN, ChainTask
+from gear.gym.task import BOS, RESULT_OFFSET, STEP_LEN, ChainTask
+from gear.modeling import lm_head
+from gear.prefix import prefix_shared_hidden
 
 #: a sharp modulation: a negative row's weight goes almost all to its flagged tokens (raw
 #: exp(5) = 148 vs 1, mass-preserved: a flagged step of 6 tokens in 24 gets 3.92 a token and
@@ -175,12 +179,13 @@ def credit(
     """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient).
 
     `contrast_logits`: the contrast teacher's (a wrong hint), needed when the arm's
-    `CreditParams.contrast` is on. `influence`: (N, T) `answer_influence`, for `oar_g` (its
-    answer span: `oar_span`)."""
+    `CreditParams.contrast` is on. `influence`: (N, T) `answer_influence`, for `oar_g` and
+    `oar_p` (its answer span: `oar_span`)."""
     mask = torch.ones_like(completions, dtype=torch.bool)
     params = arm.params(seed)
     answer_mask = None
-    if "influence" in params.required_signals:
+    oar = next((s for s in ("influence", "perturbation") if s in params.required_signals), None)
+    if oar is not None:
         answer_mask = oar_span(params, task, problems, completions)[2]
 
     def signals(teacher: Tensor) -> Any:
@@ -213,7 +218,8 @@ def credit(
         student_logprobs=sig.student_logprobs,
         teacher_logprobs=sig.teacher_logprobs,
         contrast_kl=contrast_kl,
-        influence=influence,
+        influence=influence if oar == "influence" else None,
+        perturbation=influence if oar == "perturbation" else None,
         answer_mask=answer_mask,
         error_mask=error_mask,
         params=params,
@@ -249,18 +255,42 @@ def oar_span(
 
 
 def answer_influence(
-    model: Any, arm: Arm, task: ChainTask, problems: Tensor, completions: Tensor
+    model: Any,
+    arm: Arm,
+    task: ChainTask,
+    problems: Tensor,
+    completions: Tensor,
+    scored: Tensor | None = None,
 ) -> Tensor | None:
-    """(N, T) OAR-G influence of each completion token on the log-probability of the answer
-    span (`oar_span`; `gear.credit.attribution`) under the model's raw logits (the authors'
-    phi: no sampling temperature), or None when the arm's method reads no influence."""
+    """(N, T) influence of each completion token on the answer span (`oar_span`;
+    `gear.credit.attribution`) under the model's raw logits (the authors' phi: no sampling
+    temperature): OAR-G's input gradient of its log-probability, or OAR-P's change of it when
+    the token is masked (`oar_pfinal`; the gym has no pad token, so a masked token becomes
+    "<bos>", the one id that is no content). None when the arm's method reads neither.
+    `scored`: (N,) bool, the rows OAR-P runs on (the others' advantage is 0; None: all)."""
     params = arm.params(0)
-    if "influence" not in params.required_signals:
+    if not {"influence", "perturbation"} & set(params.required_signals):
         return None
-    ids, span, _ = oar_span(params, task, problems, completions)
-    idx, real = span_positions(span)
+    ids, span, answer = oar_span(params, task, problems, completions)
     prompts = task.prompts(problems)
     P, T = prompts.shape[1], completions.shape[1]
+    if "perturbation" in params.required_signals:
+        masked = tokens_before(answer, torch.ones_like(answer))  # what OAR reshapes
+        if scored is not None:
+            masked &= scored[:, None]
+        full = torch.cat([prompts, ids], dim=1)
+        with torch.no_grad():
+            return perturbation_influence(
+                lambda x, n: prefix_shared_hidden(model, x, torch.ones_like(x), n),
+                lm_head(model),
+                full,
+                torch.ones_like(full),
+                span,
+                torch.nn.functional.pad(masked, (0, ids.shape[1] - T)),
+                BOS,
+                params.oar_pfinal,
+            )[:, :T]
+    idx, real = span_positions(span)
 
     def score(embeds: Tensor) -> Tensor:  # the gym's vocabulary is 16: full logits are cheap
         z = model(inputs_embeds=embeds, use_cache=False).logits[:, P - 1 : -1]
@@ -327,7 +357,7 @@ def rl_step(
     teacher, contrast = teacher_logits(model, arm, task, rep, comp)
     with torch.no_grad():
         old_logp = token_logprobs(logits, comp, cfg.temperature)
-    influence = answer_influence(model, arm, task, rep, comp)
+    influence = answer_influence(model, arm, task, rep, comp, scored=adv != 0)
     adv_tok = credit(
         arm, task, rep, comp, adv, logits, teacher, credit_seed, cfg.temperature, contrast,
         influence,

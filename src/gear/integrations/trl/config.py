@@ -103,6 +103,7 @@ class GEARConfig(GRPOConfig):
     credit_oar_quantile: float = _credit_field("oar_quantile")
     credit_oar_boost: float = _credit_field("oar_boost")
     credit_oar_floor: float = _credit_field("oar_floor")
+    credit_oar_pfinal: str = _credit_field("oar_pfinal")
     credit_shape_method: str = _credit_field("shape_method")
     credit_success_floor: float = _credit_field("success_floor")
     credit_seed: int = field(
@@ -121,8 +122,8 @@ class GEARConfig(GRPOConfig):
         metadata={
             "help": "Dataset column whose value fills the teacher hint's {ground_truth} (with "
             "environment_factory: the environment's attribute of this name, set by reset()); "
-            "needed only by methods that use the teacher (not 'grpo', 'entropy_top', 'oar_g' or a "
-            "random_shape of these). A row whose "
+            "needed only by methods that use the teacher (not 'grpo', 'entropy_top', 'oar_g', "
+            "'oar_p' or a random_shape of these). A row whose "
             "value is None gets no hint and weight 1 (counted as gear/rows_without_ground_truth)."
         },
     )

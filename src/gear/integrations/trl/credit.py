@@ -38,6 +38,7 @@ def batch_credit(
     answer_mask: Tensor | None = None,
     scored: Tensor | None = None,
     error_mask: Tensor | None = None,
+    perturbation: Tensor | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
@@ -47,12 +48,13 @@ def batch_credit(
         signals: this process's (B, T) signals, or None when the method needs none; a
             `ContrastSignals` also gives the contrast teacher's KL (`params.contrast`).
         influence: (B, T) this process's OAR-G influence (`oar_g`), or None.
-        answer_mask: (B, T) bool, the answer's tokens in this process's completions (`oar_g`'s
+        answer_mask: (B, T) bool, the answer's tokens in this process's completions (OAR's
             span, `gear.spans`), or None.
         scored: (B,) bool, this process's rows whose signals were computed (the others have
             advantage 0: `scored_rows`), or None for all.
         error_mask: (B, T) bool, each row's first wrong step as a step checker places it
             (`first_error`), or None.
+        perturbation: (B, T) this process's OAR-P influence (`oar_p`), or None.
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
@@ -60,6 +62,7 @@ def batch_credit(
         **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
         "contrast_kl": getattr(signals, "contrast_kl", None),
         "influence": influence,
+        "perturbation": perturbation,
         "answer_mask": answer_mask,
         "error_mask": error_mask,
     }

@@ -20,7 +20,12 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from gear.credit import TokenSignals
-from gear.credit.attribution import input_gradient_influence, span_logprob, span_positions
+from gear.credit.attribution import (
+    input_gradient_influence,
+    perturbation_influence,
+    span_logprob,
+    span_positions,
+)
 from gear.credit.signals import signals_from_hidden, signals_from_teacher_logprobs
 from gear.modeling import LogitConventions
 from gear.modeling.lora import merged_lora
@@ -216,6 +221,53 @@ def answer_influence(
             embeds = inner.get_input_embeddings()(input_ids[rows])
             out.append(input_gradient_influence(score, embeds)[:, -T:])
     return torch.cat(out)
+
+
+def answer_perturbation(
+    forwards: Forwards,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    span: Tensor,
+    scored: Tensor,
+    pad_id: int,
+    mode: str,
+    tokens_per_forward: int,
+) -> Tensor:
+    """(B, T) OAR-P influence of each `scored` token of the last T columns
+    (`gear.credit.attribution.perturbation_influence`): the token replaced by `pad_id`, one
+    masked copy per token, no gradient; a chunk of copies computes its shared prefix once when
+    `forwards.prefix_sharing` is on (`gear.prefix`; exact, else the plain forward), and LoRA
+    runs merged as in the teacher pass.
+
+    The copies run on the unwrapped model: a row's number of forwards depends on its length,
+    so they must not be collective (DDP's buffer broadcast); the trainer refuses sharded models.
+
+    Args:
+        input_ids, attention_mask: (B, L) prompt + completion (+ the appended reference).
+        span: (B, T) bool, the answer span; scored: (B, T) bool, the tokens to mask, all before
+            each row's span. phi is read from the model's raw logits (its own logit conventions,
+            no sampling temperature), as OAR-G's.
+    """
+    unwrapped = forwards.accelerator.unwrap_model(model)
+    inner = unwrap_model(unwrapped)
+
+    def hidden(ids: Tensor, n_keep: int) -> Tensor:
+        return forwards.hidden(unwrapped, ids, torch.ones_like(ids), n_keep)
+
+    with torch.no_grad(), forwards.accelerator.autocast():
+        return perturbation_influence(
+            hidden,
+            lm_head(inner),
+            input_ids,
+            attention_mask,
+            span,
+            scored,
+            pad_id,
+            mode,
+            tokens_per_forward,
+            **forwards.conventions.signal_kwargs(1.0),  # softcap / logit scale, no temperature
+        )
 
 
 def projection_dtype(accelerator: Any, weight: Tensor) -> torch.dtype:

@@ -261,7 +261,8 @@ def check_ground_truth_sources(trainer: GRPOTrainer, train_dataset: Any, eval_da
             f"environment ({', '.join(names)}) has no attribute {column!r}. Let the environment "
             f"supply each episode's ground truth: set `self.{column} = ...` in reset() (declare "
             f"`{column}: str | None = None` on the class); or add a {column!r} column to the "
-            "dataset; or use a credit method without a teacher ('grpo', 'entropy_top', 'oar_g')."
+            "dataset; or use a credit method without a teacher ('grpo', 'entropy_top', 'oar_g', "
+            "'oar_p')."
         )
     warnings.warn(
         f"GEARTrainer: environment(s) {', '.join(names)} have no attribute {column!r} and the "

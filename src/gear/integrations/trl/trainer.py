@@ -28,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals
+from gear.credit.attribution import tokens_before
 from gear.credit.methods import STEP_SEEDED
 from gear.credit.signals import TEACHER_SIGNALS
 from gear.integrations.trl.config import GEARConfig
@@ -37,7 +38,12 @@ from gear.integrations.trl.credit import (
     scored_rows,
     without_unhinted_rows,
 )
-from gear.integrations.trl.forwards import Forwards, answer_influence, eval_mode
+from gear.integrations.trl.forwards import (
+    Forwards,
+    answer_influence,
+    answer_perturbation,
+    eval_mode,
+)
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
     check_ground_truth_sources,
@@ -69,7 +75,7 @@ from gear.integrations.trl.vllm_teacher import (
     teacher_sequences,
 )
 from gear.modeling import LogitConventions
-from gear.spans import LocateAnswer, answer_spans, error_token_mask
+from gear.spans import LocateAnswer, answer_spans, error_token_mask, mask_token_id
 from gear.tasks.base import final_answer_span
 from gear.tasks.steps import StepChecker
 from gear.teacher import TeacherPrompts, WrongAnswer, ground_truth_text, offset_answer
@@ -223,13 +229,22 @@ class GEARTrainer(GRPOTrainer):
         requires = self.credit_params.required_signals
         self_distill = args.loss_mode == "self_distill"
         # what this run computes: student signals (any requirement), a teacher (KL or its log-probs),
-        # the answer influence (OAR-G: its own input-gradient pass, no signal pass)
-        self._needs_influence = "influence" in requires
+        # the answer influence, from its own pass, no signal pass: OAR-G's input gradient or
+        # OAR-P's masked copies
+        self._influence_signal = next(
+            (s for s in ("influence", "perturbation") if s in requires), None
+        )
+        self._needs_influence = self._influence_signal is not None
         if self._needs_influence and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            how = (
+                "the unwrapped model with an input gradient"
+                if self._influence_signal == "influence"
+                else "one forward per masked token on the unwrapped model, a number that "
+                "differs by row and process where sharded forwards are collective"
+            )
             raise NotImplementedError(
-                f"credit_method={self.credit_params.method!r}: its influence pass runs the "
-                "unwrapped model with an input gradient, which DeepSpeed and FSDP do not allow; "
-                "use DDP or one process"
+                f"credit_method={self.credit_params.method!r}: its influence pass runs {how}, "
+                "which DeepSpeed and FSDP do not allow; use DDP or one process"
             )
         if self._needs_influence and self.credit_params.oar_span == "reference":
             columns = getattr(train_dataset, "column_names", None)
@@ -242,8 +257,9 @@ class GEARTrainer(GRPOTrainer):
         self._gear_answer_span = answer_span or final_answer_span
         self._gear_reference_text = reference_text or ground_truth_text
         self._gear_step_checker = step_checker
-        # inputs without a model pass: OAR-G's influence has its own, a checker's mask needs none
-        self._needs_signals = self_distill or bool(set(requires) - {"influence", "error_mask"})
+        # inputs without a signal pass: OAR's influence has its own, a checker's mask needs none
+        own_pass = {"influence", "perturbation", "error_mask"}
+        self._needs_signals = self_distill or bool(set(requires) - own_pass)
         self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
         if self._needs_signals and (shapers := sampling_shapers(args)):
             named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
@@ -400,9 +416,13 @@ class GEARTrainer(GRPOTrainer):
                 signals if teacher is None else without_unhinted_rows(signals, teacher[2])
             )
 
-        influence = answer_mask = error_mask = None
+        influence = perturbation = answer_mask = error_mask = None
         if self._needs_influence:
-            influence, answer_mask = self._influence(inputs, output, valid, mode, stats, scored)
+            found, answer_mask = self._influence(inputs, output, valid, mode, stats, scored)
+            if self._influence_signal == "perturbation":
+                perturbation = found
+            else:
+                influence = found
         if "error_mask" in self.credit_params.required_signals:
             error_mask = self._error_mask(inputs, output, valid, stats)
         t0 = time.perf_counter()
@@ -416,6 +436,7 @@ class GEARTrainer(GRPOTrainer):
             answer_mask=answer_mask,
             scored=scored,
             error_mask=error_mask,
+            perturbation=perturbation,
         )
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
@@ -552,13 +573,14 @@ class GEARTrainer(GRPOTrainer):
         stats: dict[str, float],
         scored: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """(B, T) OAR-G influence of each completion token on the log-probability of the row's
-        answer span (`gear.spans.answer_spans` under `credit_oar_span`;
-        `forwards.answer_influence`, eval mode), and the (B, T) bool answer span inside the
-        completions. Given `scored` (B,) bool, the influence pass runs on those rows only (the
-        others' influence is 0). Scored rows whose answer is not found (scored on their last
-        `credit_oar_answer_len` tokens) are counted in `gear/oar_span_fallback`; the seconds go
-        to `gear/time_influence`."""
+        """(B, T) influence of each completion token on the row's answer span
+        (`gear.spans.answer_spans` under `credit_oar_span`), eval mode: OAR-G's input gradient
+        of its log-probability (`forwards.answer_influence`) or OAR-P's change of it when the
+        token is replaced by the pad token (`forwards.answer_perturbation`, `credit_oar_pfinal`),
+        and the (B, T) bool answer span inside the completions. Given `scored` (B,) bool, the
+        influence pass runs on those rows only (the others' influence is 0). Scored rows whose
+        answer is not found (scored on their last `credit_oar_answer_len` tokens) are counted in
+        `gear/oar_span_fallback`; the seconds go to `gear/time_influence`."""
         t0 = time.perf_counter()
         references = None
         if self.credit_params.oar_span == "reference":
@@ -580,14 +602,31 @@ class GEARTrainer(GRPOTrainer):
         if rows is None or rows.numel() > 0:
             keep = slice(None) if rows is None else rows
             with eval_mode(self.accelerator.unwrap_model(self.model)):
-                part = answer_influence(
-                    self._forwards,
-                    self.model,
-                    ids[keep],
-                    mask[keep],
-                    spans.span[keep],
-                    self._micro_batch(mode),
-                )
+                if self._influence_signal == "perturbation":
+                    masked = tokens_before(spans.answer_mask, valid)  # the tokens OAR reshapes
+                    masked = torch.nn.functional.pad(
+                        masked, (0, spans.span.shape[1] - valid.shape[1])
+                    )
+                    part = answer_perturbation(
+                        self._forwards,
+                        self.model,
+                        ids[keep],
+                        mask[keep],
+                        spans.span[keep],
+                        masked[keep],
+                        mask_token_id(self._tokenizer),
+                        self.credit_params.oar_pfinal,
+                        self._micro_batch(mode) * ids.shape[1],  # a training forward's tokens
+                    )
+                else:
+                    part = answer_influence(
+                        self._forwards,
+                        self.model,
+                        ids[keep],
+                        mask[keep],
+                        spans.span[keep],
+                        self._micro_batch(mode),
+                    )
             influence[keep] = part[:, : valid.shape[1]].to(influence.dtype)
         fallback = (
             spans.fallback if scored is None else spans.fallback & scored.to(spans.fallback.device)
@@ -678,6 +717,7 @@ class GEARTrainer(GRPOTrainer):
         answer_mask: Tensor | None = None,
         scored: Tensor | None = None,
         error_mask: Tensor | None = None,
+        perturbation: Tensor | None = None,
     ) -> CreditDetails:
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
         return batch_credit(
@@ -691,6 +731,7 @@ class GEARTrainer(GRPOTrainer):
             answer_mask,
             scored,
             error_mask,
+            perturbation,
         )
 
     def _micro_batch(self, mode: str) -> int:

@@ -338,6 +338,14 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
             f"algorithm.adv_estimator={estimator!r}: the verl integration computes no answer "
             "influence (OAR-G) yet; use TRL's GEARTrainer or the gym for this method"
         )
+    if "perturbation" in params.required_signals:
+        raise GearConfigError(
+            f"algorithm.adv_estimator={estimator!r}: OAR-P runs one forward per masked token, "
+            "a number that differs by row and by worker, and verl's actor workers run sharded "
+            "(FSDP/Megatron) forwards that must be collective, in equal numbers on every rank; "
+            "it also needs each row's answer span, which verl does not pass; use TRL's "
+            "GEARTrainer (DDP or one process), `gear train` or the gym for this method"
+        )
     if "error_mask" in params.required_signals:
         raise GearConfigError(
             f"algorithm.adv_estimator={estimator!r}: first_error reads a step checker's mask, "
