@@ -8,6 +8,8 @@ every stage resumes where it stopped.
     python -m studies.headroom plan                # n from the pilot, by the rule's formula
     python -m studies.headroom study --arm grpo    # stage A (then stage B: --arm lead / gear)
     python -m studies.headroom report              # -> studies/results/headroom.json
+    python -m studies.headroom restore             # a new session: the committed checkpoint and
+                                                   # finished runs back under runs/headroom/
     python -m studies.headroom status
 
 The checkpoint is issue 51's stage 0 (`studies.after_format`: LoRA SFT on chain worked solutions)
@@ -335,6 +337,9 @@ def report() -> dict[str, Any]:
     """studies/results/headroom.json from what has run: the checkpoint, the pilot and its plan,
     stage A (gate, headroom), stage B or the rule's stop, every run and piece, the budget; the
     studies' rule.json and compare.* are copied into studies/results/headroom/."""
+    saved = COPIES / "sft-seed0"  # committed: later sessions start from these very weights
+    if (checkpoint_dir(0) / "adapter_model.safetensors").is_file() and not saved.is_dir():
+        shutil.copytree(checkpoint_dir(0), saved, ignore=shutil.ignore_patterns("README.md"))
     out: dict[str, Any] = {"rule": RULE, "checkpoint": records().get("checkpoint-seed0"),
                            "plan": records().get("plan"), "longer": records().get("longer")}  # fmt: skip
     for name, path in (("pilot", PILOT), ("study", STUDY)):
@@ -345,10 +350,7 @@ def report() -> dict[str, Any]:
                 for s, r in rs.items()}
             for a, rs in runs.items()
         }  # fmt: skip
-        (COPIES / name).mkdir(parents=True, exist_ok=True)
-        for f in ("rule.json", "compare.json", "compare.md", "compare.png"):
-            if (path / f).is_file():
-                shutil.copyfile(path / f, COPIES / name / f)
+        keep(path, COPIES / name, runs)
     plan_ = out["plan"]
     if plan_ is not None:
         seeds = list(range(plan_["n"]))
@@ -404,6 +406,54 @@ def checked(seed: int, step: int, recorded: dict, original: dict) -> dict[str, A
     return record
 
 
+RUN_FILES = ("summary.json", "metrics.jsonl", "rule.sha256", "config.yaml")
+
+
+def keep(study_dir: Path, copy: Path, runs: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """Copy a study's rule and report (gear compare's rule.json, compare.*) and each finished
+    run's record files (`RUN_FILES`, no checkpoints) into `copy`, which is committed: the run
+    directories are not, and `restore` puts these back so that `gear compare` skips those runs
+    in a later session."""
+    from gear import compare as study
+
+    copy.mkdir(parents=True, exist_ok=True)
+    for f in ("rule.json", "compare.json", "compare.md", "compare.png"):
+        if (study_dir / f).is_file():
+            shutil.copyfile(study_dir / f, copy / f)
+    for arm, by_seed in runs.items():
+        for seed in by_seed:
+            name = study.run_name(arm, seed)
+            (copy / name).mkdir(exist_ok=True)
+            for f in RUN_FILES:
+                if (study_dir / name / f).is_file():
+                    shutil.copyfile(study_dir / name / f, copy / name / f)
+
+
+def restore() -> list[str]:
+    """Put the committed checkpoint and finished runs back under runs/headroom/ (a new session's
+    work tree has none): the checkpoint's hash is checked against its record."""
+    done = []
+    ck = records().get("checkpoint-seed0")
+    saved = COPIES / "sft-seed0"
+    if not (checkpoint_dir(0) / "adapter_model.safetensors").is_file() and saved.is_dir():
+        shutil.copytree(saved, checkpoint_dir(0), dirs_exist_ok=True)
+        done.append(str(checkpoint_dir(0)))
+    if ck and content_hash(checkpoint_dir(0)) != ck["sha256"]:
+        raise SystemExit(f"{checkpoint_dir(0)}: its weights are not the recorded checkpoint's")
+    for name, path in (("pilot", PILOT), ("study", STUDY)):
+        copy = COPIES / name
+        if not (copy / "rule.json").is_file():
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        if not (path / "rule.json").is_file():
+            shutil.copyfile(copy / "rule.json", path / "rule.json")
+        for run in sorted(p for p in copy.glob("*-seed*") if p.is_dir()):
+            if not (path / run.name / "summary.json").is_file():
+                shutil.copytree(run, path / run.name, dirs_exist_ok=True)
+                done.append(str(path / run.name))
+    return done
+
+
 def status() -> None:
     for name in records().names("checkpoint-seed*"):
         r = records().get(name)
@@ -412,7 +462,9 @@ def status() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["checkpoint", "pilot", "plan", "study", "report", "status"])
+    ap.add_argument(
+        "stage", choices=["checkpoint", "pilot", "plan", "study", "report", "restore", "status"]
+    )
     ap.add_argument("--seed", type=int, default=0, help="checkpoint: the SFT seed")
     ap.add_argument("--arm", choices=sorted(ARMS), help="pilot/study: the arm this process trains")
     ap.add_argument("--threads", type=int, default=1)
@@ -428,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         if kept is None:
             raise SystemExit("the plan first: python -m studies.headroom plan")
         launch(STUDY, (*STAGE_A, *STAGE_B), list(range(kept["n"])), a.arm or "grpo", a.threads)
+    elif a.stage == "restore":
+        print("\n".join(restore()) or "nothing to restore")
     elif a.stage == "report":
         print(json.dumps(report(), indent=1)[:4000])
     else:

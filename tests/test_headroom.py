@@ -54,3 +54,35 @@ def test_stage_b_reads_each_arm_at_bonferroni_and_its_share_of_the_oracles_gain(
     lo, hi = b["lead"]["lead_minus_grpo"]["ci"]
     assert 0 < lo < 0.05 < hi  # a 97.5% interval: wider than the 95% one
     assert (hi - lo) > (lambda c: c[1] - c[0])(_ci95(r, "lead"))
+
+
+def test_finished_runs_are_kept_and_restored_for_a_later_session(tmp_path, monkeypatch):
+    """keep() copies the rule and each finished run's record files (no checkpoints); restore()
+    puts them back into an empty work tree, where gear compare finds the runs finished."""
+    import json
+
+    from gear import compare as study
+
+    studies, copies = tmp_path / "runs", tmp_path / "copies"
+    pilot = studies / "pilot"
+    run = pilot / "grpo-seed100"
+    (run / "checkpoint-8").mkdir(parents=True)
+    (pilot / "rule.json").write_text(json.dumps({"arms": ["grpo"], "seeds": [100]}))
+    (run / "summary.json").write_text(json.dumps(
+        {"seed": 100, "method": "grpo", "eval_before": {"mean_reward": 0.4},
+         "eval_after": {"mean_reward": 0.5}}))  # fmt: skip
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.3}\n')
+    (run / "rule.sha256").write_text("abc\n")
+    headroom.keep(pilot, copies / "pilot", {"grpo": {100: {}}})
+    assert (copies / "pilot" / "grpo-seed100" / "summary.json").is_file()
+    assert not (copies / "pilot" / "grpo-seed100" / "checkpoint-8").exists()
+    monkeypatch.setattr(headroom, "COPIES", copies)
+    monkeypatch.setattr(headroom, "PILOT", tmp_path / "new" / "pilot")
+    monkeypatch.setattr(headroom, "STUDY", tmp_path / "new" / "study")
+    monkeypatch.setattr(headroom, "RUNS", tmp_path / "new")
+    monkeypatch.setattr(headroom, "records", lambda: type("R", (), {"get": lambda self, k: None})())
+    restored = headroom.restore()
+    assert restored == [str(tmp_path / "new" / "pilot" / "grpo-seed100")]
+    assert (
+        study.run_record(tmp_path / "new" / "pilot" / "grpo-seed100")["after"]["mean_reward"] == 0.5
+    )
