@@ -446,6 +446,7 @@ def test_every_method_runs_and_zeroes_invalid_tokens():
             student_logprobs=-kl.float(),
             teacher_logprobs=-ent.float(),
             influence=kl.float(),
+            perturbation=ent.float(),
             error_mask=kl > kl.median(),
             params=CreditParams(method=name),
         )

@@ -22,7 +22,10 @@ from _trl_helpers import byte_tokenizer, dataset, make_trainer, method_options
 from gear.credit import METHODS, CreditParams, credit_details
 from gear.testing import tied_reward
 
-SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs", "contrast_kl", "influence")
+SIGNAL_NAMES = (
+    "kl", "entropy", "student_logprobs", "teacher_logprobs", "contrast_kl", "influence",
+    "perturbation",
+)  # fmt: skip
 COUNTS = ("gear/rows_skipped", "gear/fallback_rows")
 
 
@@ -155,6 +158,7 @@ def _credit_batch(draw):
     signals = {k: torch.rand(n, t, generator=g, dtype=torch.float64) * 3 for k in SIGNAL_NAMES}
     signals["student_logprobs"] = -signals["student_logprobs"]
     signals["teacher_logprobs"] = -signals["teacher_logprobs"]
+    signals["error_mask"] = torch.rand(n, t, generator=g) < 0.3  # first_error's (a bool mask)
     return advantages, valid, turn_starts, signals, g
 
 
@@ -171,7 +175,10 @@ def test_core_skip_is_exact_with_masks_and_turns(batch, method, floor):
         return
     full = credit_details(advantages, valid, turn_starts=turn_starts, params=params, **signals)
     scored = advantages != 0
-    garbage = {k: torch.where(scored[:, None], v, torch.nan) for k, v in signals.items()}
+    garbage = {
+        k: v if v.dtype == torch.bool else torch.where(scored[:, None], v, torch.nan)
+        for k, v in signals.items()
+    }
     part = credit_details(
         advantages, valid, turn_starts=turn_starts, params=params, scored=scored, **garbage
     )
