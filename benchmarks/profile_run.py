@@ -82,9 +82,14 @@ class Timers:
             *path, name = attr.split(".")
             for part in path:
                 owner = getattr(owner, part)
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            own = name in vars(owner)  # else inherited: undone by deleting the wrapper
+            original = vars(owner)[name] if own else getattr(owner, name)
             setattr(owner, name, self._timed(phase, original))
-            undo.append(functools.partial(setattr, owner, name, original))
+            undo.append(
+                functools.partial(setattr, owner, name, original)
+                if own
+                else functools.partial(delattr, owner, name)
+            )
         try:
             yield
         finally:

@@ -160,7 +160,10 @@ def launch(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, thread
     if not (checkpoint_dir(0) / "adapter_config.json").is_file():
         raise SystemExit("the checkpoint first: python -m studies.headroom checkpoint")
     cmd = compare_command(out, arms, seeds, only)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           # large blocks (an evaluation's KV cache) go back to the system when freed: two runs
+           # held ~10 GB each without it, and the OOM killer took one (computes nothing else)
+           "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # fmt: skip
     log = RUNS / f"{out.name}-{only}.log"
     piece = {"study": out.name, "arm": only, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
              "commit": head_commit(ROOT), "threads": threads,
