@@ -70,6 +70,13 @@ def records() -> RecordStore:
     return RecordStore(RECORDS)
 
 
+def checkpoint_record(seed: int = 0) -> dict[str, Any] | None:
+    """The checkpoint's record: checked, or else saved and hashed with its check pending."""
+    return records().get(f"checkpoint-seed{seed}") or records().get(
+        f"checkpoint-pending-seed{seed}"
+    )
+
+
 def checkpoint_dir(seed: int = 0) -> Path:
     return RUNS / f"sft-seed{seed}"
 
@@ -225,7 +232,7 @@ def metric(r: dict[str, Any], when: str = "after") -> float:
 
 def core_hours() -> float:
     """Core-hours so far: every piece's wall seconds × its threads, and the checkpoint's."""
-    ck = records().get("checkpoint-seed0") or {}
+    ck = checkpoint_record(0) or {}
     total = ck.get("wall_s", 0.0) * ck.get("threads", 1)
     for p in records().get("pieces") or []:
         total += p.get("wall_s", 0.0) * p.get("threads", 1)
@@ -343,7 +350,7 @@ def report() -> dict[str, Any]:
     saved = COPIES / "sft-seed0"  # committed: later sessions start from these very weights
     if (checkpoint_dir(0) / "adapter_model.safetensors").is_file() and not saved.is_dir():
         shutil.copytree(checkpoint_dir(0), saved, ignore=shutil.ignore_patterns("README.md"))
-    out: dict[str, Any] = {"rule": RULE, "checkpoint": records().get("checkpoint-seed0"),
+    out: dict[str, Any] = {"rule": RULE, "checkpoint": checkpoint_record(0),
                            "plan": records().get("plan"), "longer": records().get("longer")}  # fmt: skip
     for name, path in (("pilot", PILOT), ("study", STUDY)):
         runs = finished(path)
@@ -385,6 +392,9 @@ def checked(seed: int, step: int, recorded: dict, original: dict) -> dict[str, A
 
     out = checkpoint_dir(seed)
     training = records().get(f"training-seed{seed}")
+    pending = records().get(f"checkpoint-pending-seed{seed}")
+    if training is None and pending is not None:  # saved and hashed in an earlier session
+        training = pending["training"] | {"loss": pending["loss"]}
     if training is None:  # the first piece logged its losses only
         log = (RUNS.parent / "headroom-checkpoint.log").read_text().splitlines()
         losses = [float(x.rsplit("loss ", 1)[1]) for x in log if f"seed {seed}: SFT step" in x]
@@ -436,7 +446,7 @@ def restore() -> list[str]:
     """Put the committed checkpoint and finished runs back under runs/headroom/ (a new session's
     work tree has none): the checkpoint's hash is checked against its record."""
     done = []
-    ck = records().get("checkpoint-seed0")
+    ck = checkpoint_record(0)
     saved = COPIES / "sft-seed0"
     if not (checkpoint_dir(0) / "adapter_model.safetensors").is_file() and saved.is_dir():
         shutil.copytree(saved, checkpoint_dir(0), dirs_exist_ok=True)
