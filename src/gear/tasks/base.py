@@ -18,6 +18,15 @@ from gear.teacher import ground_truth_text, offset_answer
 SPLITS = ("train", "test")
 
 PROMPT_FEATURE = List({"role": Value("string"), "content": Value("string")})
+#: the rows of a task read from a file: prompt, teacher's ground truth, answer, the file's row
+FILE_FEATURES = Features(
+    {
+        "prompt": PROMPT_FEATURE,
+        "ground_truth": Value("string"),
+        "answer": Value("string"),
+        "index": Value("int64"),
+    }
+)
 
 Message = dict[str, Any]
 Completion = str | Message | list[Message]

@@ -20,10 +20,10 @@ import re
 import threading
 from pathlib import Path
 
-from datasets import Dataset, Features, Value
+from datasets import Dataset
 
 from gear.tasks.base import (
-    PROMPT_FEATURE,
+    FILE_FEATURES,
     Task,
     check_n,
     check_split,
@@ -36,14 +36,7 @@ from gear.tasks.base import (
 )
 
 PROMPT = '{question}\nSolve it step by step, then give the final answer as "Answer: <number>".'
-FEATURES = Features(
-    {
-        "prompt": PROMPT_FEATURE,
-        "ground_truth": Value("string"),
-        "answer": Value("string"),
-        "index": Value("int64"),
-    }
-)
+FEATURES = FILE_FEATURES
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -33,10 +33,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from datasets import Dataset, Features, Value
+from datasets import Dataset
 
 from gear.inputs import InputError, read_text
-from gear.tasks.base import PROMPT_FEATURE, Task, check_n, check_split, make_dataset
+from gear.tasks.base import FILE_FEATURES, Task, check_n, check_split, make_dataset
 from gear.tasks.gsm8k import math_verify_equal
 
 # The usual instruction of MATH-style evaluations (chosen): the reward reads the last \boxed{}.
@@ -45,14 +45,7 @@ PROBLEM_KEYS = ("problem", "question", "prompt")
 ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 SOLUTION_KEYS = ("solution",)
 SUFFIXES = (".jsonl", ".parquet")
-FEATURES = Features(
-    {
-        "prompt": PROMPT_FEATURE,
-        "ground_truth": Value("string"),
-        "answer": Value("string"),
-        "index": Value("int64"),
-    }
-)
+FEATURES = FILE_FEATURES
 
 
 # ---------------------------------------------------------------- \boxed{} and final answers
