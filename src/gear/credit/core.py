@@ -175,7 +175,7 @@ def credit_details(
             `oar_g` and `oar_p`, `gear.spans`); None: each row's last `params.oar_answer_len`
             valid tokens.
         error_mask: (N, T) bool, the tokens of each row's first wrong step as a step checker
-            marks them (`first_error`; `gear.spans.error_masks`); no True where it found none.
+            marks them (`first_error`; `gear.spans.error_token_mask`); no True where it found none.
         params: `CreditParams`; default GEAR with the spec's defaults.
         scored: (N,) bool, the rows whose signals were computed, or None for all. Unscored rows
             must have advantage 0 and the method must read only advantaged rows
