@@ -3,6 +3,9 @@ fixed before any run: docs/evidence/2026-11-28-headroom-rule.md. Run from the re
 every stage resumes where it stopped.
 
     python -m studies.headroom checkpoint          # issue 51's seed-0 SFT checkpoint, rebuilt
+    python -m studies.headroom lr --lr 1e-4        # amendment 1: GRPO at each candidate rate
+    python -m studies.headroom lr --lr 3e-5
+    python -m studies.headroom choose-lr           # the rate every arm uses, from GRPO's gain
     python -m studies.headroom pilot --arm grpo    # the pilot, one process per arm (resumable)
     python -m studies.headroom pilot --arm oracle
     python -m studies.headroom plan                # n from the pilot, by the rule's formula
@@ -64,6 +67,9 @@ STAGE_A, STAGE_B = ("grpo", "oracle"), ("lead", "gear")
 PILOT_SEEDS = (100, 101, 102)
 EFFECT, ALPHA, BUDGET, STAGE_B_COST = 0.05, 0.05, 24.0, 4.2
 LONGER_IF_GRPO_GAINS_BELOW = 0.02  # the pilot's GRPO mean gain under which steps double
+# Amendment 1 (the rule's end): GRPO alone, seed 200, at each candidate rate; the larger held-out
+# gain picks every arm's rate (ties: the larger rate), and the pilot runs again at it (`pilot2`).
+RULE_LR, LR_CANDIDATES, LR_SEED = 5e-4, (1e-4, 3e-5), 200
 
 
 def records() -> RecordStore:
@@ -75,6 +81,27 @@ def checkpoint_record(seed: int = 0) -> dict[str, Any] | None:
     return records().get(f"checkpoint-seed{seed}") or records().get(
         f"checkpoint-pending-seed{seed}"
     )
+
+
+def lr_dir(lr: float) -> Path:
+    return RUNS / f"lr{lr:g}"
+
+
+def learning_rate() -> float:
+    """Every arm's rate: amendment 1's choice once made, else the rule's 5e-4."""
+    chosen = records().get("lr")
+    return chosen["chosen"] if chosen else RULE_LR
+
+
+def pilot_dir() -> Path:
+    """The pilot `plan` reads: at the chosen rate (`pilot2`) once amendment 1 chose one."""
+    return RUNS / "pilot2" if records().get("lr") else PILOT
+
+
+def studies() -> list[tuple[str, Path]]:
+    """Every study directory, in the order they ran: reported, kept and restored alike."""
+    return [("pilot", PILOT), *((p.name, p) for p in map(lr_dir, LR_CANDIDATES)),
+            ("pilot2", RUNS / "pilot2"), ("study", STUDY)]  # fmt: skip
 
 
 def checkpoint_dir(seed: int = 0) -> Path:
@@ -150,23 +177,29 @@ def steps() -> int:
     return 32 if records().get("longer") else 16
 
 
-def compare_command(out: Path, arms: tuple[str, ...], seeds: list[int], only: str) -> list[str]:
+def compare_command(
+    out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float = RULE_LR
+) -> list[str]:
+    rate = [] if lr == RULE_LR else ["--set", f"learning_rate={lr:g}"]  # the first pilot's command
     return [
         sys.executable, "-m", "gear.cli", "compare",
-        "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE,
+        "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE, *rate,
         "--steps", str(steps()), *(x for a in arms for x in ("--methods", ARMS[a])),
         *(x for s in seeds for x in ("--seeds", str(s))), "--effect", str(EFFECT),
         "--out", str(out.relative_to(ROOT)), "--only", only,
     ]  # fmt: skip
 
 
-def launch(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, threads: int) -> None:
+def launch(
+    out: Path, arms: tuple[str, ...], seeds: list[int], only: str, threads: int,
+    lr: float = RULE_LR,
+) -> None:  # fmt: skip
     """One `gear compare` process training arm `only` of the study in `out` (one thread by
     default: two processes share two cores), logged to runs/headroom/<study>-<arm>.log; each
     piece (start, end, wall seconds, exit code, commit, CPU) is kept in the records."""
     if not (checkpoint_dir(0) / "adapter_config.json").is_file():
         raise SystemExit("the checkpoint first: python -m studies.headroom checkpoint")
-    cmd = compare_command(out, arms, seeds, only)
+    cmd = compare_command(out, arms, seeds, only, lr)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
            # large blocks (an evaluation's KV cache) go back to the system when freed: two runs
            # held ~10 GB each without it, and the OOM killer took one (computes nothing else)
@@ -244,7 +277,8 @@ def plan() -> dict[str, Any]:
     budget's cap, n, the MDE at n, and the 32-step clause on GRPO's gain. Kept as `plan`."""
     from gear.evidence import n_for_power, paired, power_at
 
-    runs = finished(PILOT)
+    pilot = pilot_dir()
+    runs = finished(pilot)
     pairs = [s for s in PILOT_SEEDS if s in runs.get("grpo", {}) and s in runs.get("oracle", {})]
     if len(pairs) < len(PILOT_SEEDS):
         raise SystemExit(f"the pilot has {len(pairs)} of {len(PILOT_SEEDS)} pairs finished")
@@ -253,7 +287,7 @@ def plan() -> dict[str, Any]:
     diff = paired([metric(r) for r in oracle], [metric(r) for r in grpo])
     gain = paired([metric(r) for r in grpo], [metric(r, "before") for r in grpo])
     # a run's core-hours: the pilot's pieces (wall x threads) over its runs
-    pieces = [p for p in records().get("pieces") or [] if p.get("study") == PILOT.name]
+    pieces = [p for p in records().get("pieces") or [] if p.get("study") == pilot.name]
     per_run = sum(p["wall_s"] * p["threads"] for p in pieces) / len(grpo + oracle) / 3600
     used = core_hours()
     n80 = n_for_power(EFFECT, diff["sd"], alpha=ALPHA) if diff["sd"] > 0 else 3
@@ -263,11 +297,27 @@ def plan() -> dict[str, Any]:
         (e / 1000 for e in range(1, 2001) if power_at(e / 1000, diff["sd"], n, ALPHA) >= 0.8),
         None,
     )
-    out = {"pilot_seeds": pairs, "oracle_minus_grpo": diff, "grpo_gain": gain,
+    out = {"pilot": pilot.name, "learning_rate": learning_rate(), "pilot_seeds": pairs, "oracle_minus_grpo": diff, "grpo_gain": gain,
            "core_hours_per_run": per_run, "used_core_hours": used, "n80": n80, "n_cap": cap,
            "n": n, "mde_at_n": mde, "longer": gain["mean"] < LONGER_IF_GRPO_GAINS_BELOW,
            "steps": steps()}  # fmt: skip
     records().put("plan", out)
+    return out
+
+
+def choose_lr() -> dict[str, Any]:
+    """Amendment 1: GRPO's held-out gain (after - before, seed `LR_SEED`) at each candidate rate;
+    the larger gain is every arm's rate (ties: the larger rate). Reads GRPO only. Kept as `lr`."""
+    gains = {}
+    for lr in LR_CANDIDATES:
+        r = finished(lr_dir(lr)).get("grpo", {}).get(LR_SEED)
+        if r is None:
+            raise SystemExit(f"learning rate {lr:g}: GRPO seed {LR_SEED} has not finished")
+        gains[lr] = metric(r) - metric(r, "before")
+    chosen, gain = max(gains.items(), key=lambda kv: (kv[1], kv[0]))
+    out = {"seed": LR_SEED, "gain": {f"{lr:g}": g for lr, g in gains.items()},
+           "chosen": chosen, "chosen_gain": gain, "learns": gain > 0}  # fmt: skip
+    records().put("lr", out)
     return out
 
 
@@ -351,8 +401,9 @@ def report() -> dict[str, Any]:
     if (checkpoint_dir(0) / "adapter_model.safetensors").is_file() and not saved.is_dir():
         shutil.copytree(checkpoint_dir(0), saved, ignore=shutil.ignore_patterns("README.md"))
     out: dict[str, Any] = {"rule": RULE, "checkpoint": checkpoint_record(0),
-                           "plan": records().get("plan"), "longer": records().get("longer")}  # fmt: skip
-    for name, path in (("pilot", PILOT), ("study", STUDY)):
+                           "lr": records().get("lr"), "plan": records().get("plan"),
+                           "longer": records().get("longer")}  # fmt: skip
+    for name, path in studies():
         runs = finished(path)
         out[f"{name}_runs"] = {
             a: {str(s): {k: r.get(k) for k in ("before", "after", "precision", "train_seconds",
@@ -453,7 +504,7 @@ def restore() -> list[str]:
         done.append(str(checkpoint_dir(0)))
     if ck and content_hash(checkpoint_dir(0)) != ck["sha256"]:
         raise SystemExit(f"{checkpoint_dir(0)}: its weights are not the recorded checkpoint's")
-    for name, path in (("pilot", PILOT), ("study", STUDY)):
+    for name, path in studies():
         copy = COPIES / name
         if not (copy / "rule.json").is_file():
             continue
@@ -476,23 +527,43 @@ def status() -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "stage", choices=["checkpoint", "pilot", "plan", "study", "report", "restore", "status"]
+        "stage",
+        choices=[
+            "checkpoint",
+            "lr",
+            "choose-lr",
+            "pilot",
+            "plan",
+            "study",
+            "report",
+            "restore",
+            "status",
+        ],
     )
     ap.add_argument("--seed", type=int, default=0, help="checkpoint: the SFT seed")
     ap.add_argument("--arm", choices=sorted(ARMS), help="pilot/study: the arm this process trains")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lr", type=float, choices=LR_CANDIDATES, help="lr: the candidate rate")
     a = ap.parse_args(argv)
     if a.stage == "checkpoint":
         checkpoint(a.seed)
+    elif a.stage == "lr":
+        if a.lr is None:
+            raise SystemExit(f"lr: --lr, one of {', '.join(f'{x:g}' for x in LR_CANDIDATES)}")
+        launch(lr_dir(a.lr), ("grpo",), [LR_SEED], "grpo", a.threads, a.lr)
+    elif a.stage == "choose-lr":
+        print(json.dumps(choose_lr(), indent=1))
     elif a.stage == "pilot":
-        launch(PILOT, STAGE_A, list(PILOT_SEEDS), a.arm or "grpo", a.threads)
+        lr = learning_rate()
+        launch(pilot_dir(), STAGE_A, list(PILOT_SEEDS), a.arm or "grpo", a.threads, lr)
     elif a.stage == "plan":
         print(json.dumps(plan(), indent=1))
     elif a.stage == "study":
         kept = records().get("plan")
         if kept is None:
             raise SystemExit("the plan first: python -m studies.headroom plan")
-        launch(STUDY, (*STAGE_A, *STAGE_B), list(range(kept["n"])), a.arm or "grpo", a.threads)
+        launch(STUDY, (*STAGE_A, *STAGE_B), list(range(kept["n"])), a.arm or "grpo", a.threads,
+               learning_rate())  # fmt: skip
     elif a.stage == "restore":
         print("\n".join(restore()) or "nothing to restore")
     elif a.stage == "report":

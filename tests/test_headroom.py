@@ -86,3 +86,34 @@ def test_finished_runs_are_kept_and_restored_for_a_later_session(tmp_path, monke
     assert (
         study.run_record(tmp_path / "new" / "pilot" / "grpo-seed100")["after"]["mean_reward"] == 0.5
     )
+
+
+def test_the_rate_is_chosen_on_grpos_own_gain_and_moves_the_pilot(tmp_path, monkeypatch):
+    """Amendment 1: the candidate with the larger GRPO gain is every arm's rate (ties: the larger
+    rate); until it is chosen the rule's 5e-4 and its first pilot stand."""
+    from gear.evidence import RecordStore
+
+    monkeypatch.setattr(headroom, "records", lambda: RecordStore(tmp_path))
+    assert headroom.learning_rate() == 5e-4 and headroom.pilot_dir() == headroom.PILOT
+    gains = {1e-4: 0.05, 3e-5: 0.08}
+    monkeypatch.setattr(headroom, "finished", lambda out: {"grpo": {200: run(
+        0.40 + next(g for lr, g in gains.items() if headroom.lr_dir(lr) == out))}})  # fmt: skip
+    chosen = headroom.choose_lr()
+    assert chosen["chosen"] == 3e-5 and chosen["learns"]
+    assert headroom.learning_rate() == 3e-5 and headroom.pilot_dir().name == "pilot2"
+    gains[3e-5] = 0.05  # a tie goes to the larger rate
+    assert headroom.choose_lr()["chosen"] == 1e-4
+    cmd = headroom.compare_command(headroom.pilot_dir(), headroom.STAGE_A, [100], "grpo", 1e-4)
+    assert cmd[cmd.index("learning_rate=0.0001") - 1] == "--set"
+    first = headroom.compare_command(headroom.PILOT, headroom.STAGE_A, [100], "grpo")
+    assert not any(x.startswith("learning_rate=") for x in first)  # the first pilot's command
+
+
+def test_choosing_the_rate_waits_for_every_candidate(tmp_path, monkeypatch):
+    from gear.evidence import RecordStore
+
+    monkeypatch.setattr(headroom, "records", lambda: RecordStore(tmp_path))
+    monkeypatch.setattr(headroom, "finished", lambda out: {})
+    with pytest.raises(SystemExit, match=r"0\.0001: GRPO seed 200 has not finished"):
+        headroom.choose_lr()
+    assert headroom.learning_rate() == 5e-4
