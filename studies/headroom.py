@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.stage == "lr":
         if a.lr is None:
             raise SystemExit(f"lr: --lr, one of {', '.join(f'{x:g}' for x in LR_CANDIDATES)}")
-        launch(lr_dir(a.lr), ("grpo",), [LR_SEED], "grpo", a.threads, a.lr)
+        launch(lr_dir(a.lr), STAGE_A, [LR_SEED], "grpo", a.threads, a.lr)  # gear compare: 2+ arms
     elif a.stage == "choose-lr":
         print(json.dumps(choose_lr(), indent=1))
     elif a.stage == "pilot":
