@@ -141,3 +141,31 @@ def test_gear_train_runs_each_teacher_context(tiny_dir, tmp_path, context):
     assert saved["trainer"]["teacher_context"] == context
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert ("gear/time_contrast" in metrics[0]) == (context == "contrast")
+
+
+def test_an_adapter_on_the_embedded_model_loads_where_its_saved_cache_path_does_not_exist(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """An adapter trained on the embedded model names the cache directory of the machine it was
+    saved on; on another machine (or before this one dequantised it) that path does not exist,
+    and this machine's cache stands for it (issue 58's committed checkpoint, on a fresh clone)."""
+    import peft
+
+    import gear.models as models
+
+    base, _ = load_model_and_tokenizer(tiny_dir)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules="all-linear"))
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    adapter = tmp_path / "adapter"
+    lora.save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/elsewhere/.cache/gear/" + models.CACHE_NAME
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(models, "smollm2_dir", lambda: tiny_dir)
+    merged, _ = load_model_and_tokenizer(adapter)
+    fresh, _ = load_model_and_tokenizer(tiny_dir)
+    assert any(not torch.equal(p, fresh.get_parameter(n)) for n, p in merged.named_parameters())
+    identity = models.model_identity(adapter)
+    assert identity.endswith("+" + models.model_identity(tiny_dir))

@@ -215,15 +215,26 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
-def _load_adapter(path: Path, dtype: torch.dtype | str) -> tuple[PreTrainedModel, Any]:
-    """A PEFT adapter directory's base model with the adapter merged (plain weights)."""
+def adapter_base(path: Path) -> str:
+    """The base model an adapter directory names. An adapter trained on the embedded model names
+    the dequantised cache of the machine it was saved on (`<cache root>/smollm2-135m-instruct`);
+    where that directory does not exist (another machine, a fresh cache), this machine's cache
+    stands for it, dequantised now if need be: the same package gives the same weights."""
     import json
-
-    from peft import PeftModel
 
     base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{path}/adapter_config.json names no base_model_name_or_path")
+    if Path(base).name == CACHE_NAME and not Path(base).is_dir():
+        return str(smollm2_dir())
+    return base
+
+
+def _load_adapter(path: Path, dtype: torch.dtype | str) -> tuple[PreTrainedModel, Any]:
+    """A PEFT adapter directory's base model with the adapter merged (plain weights)."""
+    from peft import PeftModel
+
+    base = adapter_base(path)
     model, tokenizer = load_model_and_tokenizer(base, dtype)
     if (path / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -265,7 +276,6 @@ def model_identity(name_or_path: str | os.PathLike | None) -> str | None:
     the embedded model's package version; a local directory's `content_hash` (an adapter's with
     its base model's identity); a GGUF file's hash. Equal identities load equal weights."""
     import importlib.metadata
-    import json
 
     name = None if name_or_path is None else str(name_or_path)
     if name in DEFAULT_ALIASES or (name is not None and name.lower() in DEFAULT_ALIASES):
@@ -281,8 +291,7 @@ def model_identity(name_or_path: str | os.PathLike | None) -> str | None:
     except ValueError:
         return None
     if (path / "adapter_config.json").is_file():
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        return f"{own}+{model_identity(base)}"
+        return f"{own}+{model_identity(adapter_base(path))}"
     return own
 
 
