@@ -115,3 +115,26 @@ def test_the_draws_of_this_eval_version_are_pinned(model, tok):
     assert EVAL_VERSION == 1
     assert out[0][0] == [109, 249, 229, 40, 113, 1, 125, 139]
     assert hashlib.sha256(json.dumps(out).encode()).hexdigest()[:16] == "8fcf6adb8d971730"
+
+
+def test_an_evaluation_in_a_log_prints_its_progress_a_batch_at_a_time(model, tok):
+    """In a log (no terminal, no live bar) a sampled evaluation of minutes says how far it is
+    after each batch, not only that it started."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from gear.evaluate import evaluate_now
+
+    log = io.StringIO()
+    cfg = types.SimpleNamespace(eval_n=5, eval_samples=2, eval_temperature=0.0,
+                                eval_max_new_tokens=4, eval_batch_size=2, eval_seed=0,
+                                trainer={"temperature": 0.7})  # fmt: skip
+    evaluate_now(model, tok, ArithmeticTask(), cfg, Console(file=log, width=200), "before")
+    lines = log.getvalue().splitlines()
+    assert "evaluating before: 5 held-out problems, greedy" in lines
+    for what in ("greedy", "2 samples at T=0.7"):
+        done = [x.split(": ")[1].split(" problems")[0] for x in lines
+                if x.startswith(f"  eval before ({what}): ")]  # fmt: skip
+        assert done == ["2/5", "4/5", "5/5"]

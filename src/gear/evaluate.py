@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,12 +269,23 @@ def _evaluate_with_progress(
     )
     bar: Any = None
     ctx: Any = contextlib.nullcontext()
-    if console is not None and not console.is_terminal:  # no live bar in a log: say what runs
+    progress: Callable[[int, int], None] | None = None
+    if console is not None and not console.is_terminal:  # no live bar in a log: a line a batch
         console.print(
             f"evaluating {label}: {cfg.eval_n} held-out problems, {what}",
             highlight=False,
             soft_wrap=True,
         )
+        start = time.monotonic()
+
+        def progress(done: int, total: int) -> None:  # a sampled evaluation takes minutes
+            console.print(
+                f"  eval {label} ({what}): {done}/{total} problems, "
+                f"{time.monotonic() - start:.0f} s",
+                highlight=False,
+                soft_wrap=True,
+            )
+
     elif console is not None:
         from rich.progress import (
             BarColumn,
@@ -307,7 +319,7 @@ def _evaluate_with_progress(
             chat_template_kwargs=cfg.trainer.get("chat_template_kwargs"),
             progress=(lambda done, total: bar.update(job, completed=done, total=total))
             if bar
-            else None,
+            else progress,
         )
 
 
