@@ -219,7 +219,8 @@ def launch(
     put_piece(piece)  # kept while it runs: a piece killed with the session is still listed
     with log.open("a") as fh:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    put_piece(piece | {"wall_s": time.time() - t0, "exit": rc})
+    piece |= {"wall_s": time.time() - t0, "exit": rc}
+    put_piece(piece)
     print(f"{out.name} {only}: exit {rc} after {piece['wall_s']:.0f} s (log {log})", flush=True)
 
 

@@ -117,3 +117,22 @@ def test_choosing_the_rate_waits_for_every_candidate(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"0\.0001: GRPO seed 200 has not finished"):
         headroom.choose_lr()
     assert headroom.learning_rate() == 5e-4
+
+
+def test_a_piece_is_kept_with_its_wall_time_and_exit_code(tmp_path, monkeypatch, capsys):
+    """launch() records the piece before it runs (kept if killed) and again with its wall time
+    and exit code, then says so (it raised a KeyError there once, after the piece had run)."""
+    from gear.evidence import RecordStore
+
+    monkeypatch.setattr(headroom, "records", lambda: RecordStore(tmp_path / "records"))
+    monkeypatch.setattr(headroom, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(headroom, "ROOT", tmp_path)
+    (tmp_path / "runs" / "sft-seed0").mkdir(parents=True)
+    (tmp_path / "runs" / "sft-seed0" / "adapter_config.json").write_text("{}")
+    monkeypatch.setattr(headroom, "head_commit", lambda root: "abc")
+    monkeypatch.setattr(headroom.subprocess, "call", lambda *a, **k: 0)
+    headroom.launch(tmp_path / "runs" / "pilot2", headroom.STAGE_A, [100], "grpo", 1, 3e-5)
+    (piece,) = headroom.records().get("pieces")
+    assert piece["exit"] == 0 and piece["wall_s"] >= 0 and piece["study"] == "pilot2"
+    assert "learning_rate=3e-05" in piece["command"]
+    assert "pilot2 grpo: exit 0 after" in capsys.readouterr().out
