@@ -49,7 +49,7 @@ RUNS = ROOT / "runs" / "headroom"
 RULE = "docs/evidence/2026-11-28-headroom-rule.md"
 OUT = RESULTS / "headroom.json"
 COPIES = RESULTS / "headroom"  # the studies' rule.json / compare.* as gear compare wrote them
-PILOT, STUDY = RUNS / "pilot", RUNS / "study"
+PILOT, PILOT2, STUDY = RUNS / "pilot", RUNS / "pilot2", RUNS / "study"  # pilot2: amendment 1
 
 # ------------------------------------------------------------------------------ the rule's numbers
 RECIPE = [
@@ -95,13 +95,13 @@ def learning_rate() -> float:
 
 def pilot_dir() -> Path:
     """The pilot `plan` reads: at the chosen rate (`pilot2`) once amendment 1 chose one."""
-    return RUNS / "pilot2" if records().get("lr") else PILOT
+    return PILOT2 if records().get("lr") else PILOT
 
 
 def studies() -> list[tuple[str, Path]]:
     """Every study directory, in the order they ran: reported, kept and restored alike."""
     return [("pilot", PILOT), *((p.name, p) for p in map(lr_dir, LR_CANDIDATES)),
-            ("pilot2", RUNS / "pilot2"), ("study", STUDY)]  # fmt: skip
+            ("pilot2", PILOT2), ("study", STUDY)]  # fmt: skip
 
 
 def checkpoint_dir(seed: int = 0) -> Path:
@@ -298,8 +298,9 @@ def plan() -> dict[str, Any]:
         (e / 1000 for e in range(1, 2001) if power_at(e / 1000, diff["sd"], n, ALPHA) >= 0.8),
         None,
     )
-    out = {"pilot": pilot.name, "learning_rate": learning_rate(), "pilot_seeds": pairs, "oracle_minus_grpo": diff, "grpo_gain": gain,
-           "core_hours_per_run": per_run, "used_core_hours": used, "n80": n80, "n_cap": cap,
+    out = {"pilot": pilot.name, "learning_rate": learning_rate(), "pilot_seeds": pairs,
+           "oracle_minus_grpo": diff, "grpo_gain": gain, "core_hours_per_run": per_run,
+           "used_core_hours": used, "n80": n80, "n_cap": cap,
            "n": n, "mde_at_n": mde, "longer": gain["mean"] < LONGER_IF_GRPO_GAINS_BELOW,
            "steps": steps()}  # fmt: skip
     records().put("plan", out)
