@@ -1,5 +1,5 @@
-"""Forwards that compute each shared prompt once (the teacher pass, and the student forward where
-one still runs).
+"""Forwards that compute each shared prompt once (the teacher pass, the student forward where one
+still runs, and TRL's log-prob passes with their gradients: `prefix_cache`).
 
 In GRPO the G completions of a prompt share it, and so share the teacher prompt (prompt + hint).
 A plain forward over `[prompt | completion]` rows recomputes that prefix G times. Here the rows
@@ -194,12 +194,8 @@ def _chunk_hidden(
     used, local = torch.unique(group, return_inverse=True)  # the chunk's prefixes, row -> local
     chunk = [prefixes[i] for i in used.tolist()]
     P = width if width is not None else max(len(ids) for ids, _ in chunk)
-    ids = torch.zeros(len(chunk), P, dtype=torch.long)
-    mask = torch.zeros(len(chunk), P, dtype=torch.long)
-    for i, (p_ids, p_mask) in enumerate(chunk):
-        ids[i, P - len(p_ids) :] = torch.tensor(p_ids)
-        mask[i, P - len(p_mask) :] = torch.tensor(p_mask)
-    ids, mask, local = ids.to(device), mask.to(device), local.to(device)
+    ids, mask = _left_padded(chunk, P, device)
+    local = local.to(device)
 
     with capture_final_hidden(model, _columns(slice(-1, None))) as last:
         out = model(
@@ -230,6 +226,50 @@ def _chunk_hidden(
             use_cache=True,
         )
     return torch.cat([first, only_capture(steps, model)[:, : T - 1]], dim=1)
+
+
+def _left_padded(
+    prefixes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], width: int, device: Any
+) -> tuple[Tensor, Tensor]:
+    """(u, width) ids and mask of the prefixes, each left-padded to `width` (pad id 0, mask 0)."""
+    ids = torch.zeros(len(prefixes), width, dtype=torch.long)
+    mask = torch.zeros(len(prefixes), width, dtype=torch.long)
+    for i, (p_ids, p_mask) in enumerate(prefixes):
+        ids[i, width - len(p_ids) :] = torch.tensor(p_ids)
+        mask[i, width - len(p_mask) :] = torch.tensor(p_mask)
+    return ids.to(device), mask.to(device)
+
+
+def prefix_cache(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, n_tail: int
+) -> DynamicCache | None:
+    """A KV cache serving each row its prefix, every unique prefix computed once: for one
+    forward of the rows' last `n_tail` columns (`past_key_values=`, with the rows' whole (B, L)
+    `attention_mask`). This is the loss forward's half of prefix sharing (TRL's log-prob
+    passes, `gear.integrations.trl.forwards.shared_prompt_logps`).
+
+    Runs under the caller's grad mode: with gradients on, the prefix's keys and values carry
+    them to every row that reads them, so the gradient equals the plain forward's (to float
+    rounding). Each prefix keeps its rows' columns (left-padded to L - n_tail), so a forward
+    without `position_ids` gives every token the position the plain forward without them
+    gives it (its column), as TRL's own passes do.
+
+    Args:
+        input_ids, attention_mask: (B, L) rows; the first L - n_tail columns are the prefix
+            (left-padded prompts: equal prompts give equal prefixes), 1 <= n_tail < L.
+    Returns:
+        the gathered cache, or None (after one warning) when the model's cache cannot be
+        shared; then run the plain forward.
+    """
+    prefixes, group = group_prefixes(input_ids, attention_mask, n_tail)
+    ids, mask = _left_padded(prefixes, input_ids.size(1) - n_tail, input_ids.device)
+    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=True)
+    cache = getattr(out, "past_key_values", None)
+    reason = _unshareable(cache)
+    if reason is not None:
+        _warn_once(reason)
+        return None
+    return _gathered(cache, group.to(input_ids.device))
 
 
 def _unshareable(cache: Any) -> str | None:

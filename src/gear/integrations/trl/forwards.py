@@ -27,12 +27,13 @@ from gear.credit.attribution import (
     span_positions,
 )
 from gear.credit.signals import signals_from_hidden, signals_from_teacher_logprobs
+from gear.integrations.trl.states import dropout_active
 from gear.modeling import LogitConventions
 from gear.modeling.lora import merged_lora
 from gear.modeling.model import capture_final_hidden, lm_head, only_capture, takes_position_ids
 from gear.modeling.model import unwrap as unwrap_model
-from gear.modeling.positions import padding_free_positions
-from gear.prefix import plain_hidden, prefix_shared_hidden
+from gear.modeling.positions import padding_free_positions, prefix_sharing_blocker
+from gear.prefix import plain_hidden, prefix_cache, prefix_shared_hidden
 
 Heads = tuple[Tensor, Tensor | None, Tensor, Tensor | None]
 
@@ -268,6 +269,75 @@ def answer_perturbation(
             tokens_per_forward,
             **forwards.conventions.signal_kwargs(1.0),  # softcap / logit scale, no temperature
         )
+
+
+def shared_prompt_logps(
+    accelerator: Any,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int,
+    batch_size: int | None = None,
+    compute_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None] | None:
+    """TRL's per-token log-probs (and entropies) of the last `logits_to_keep` tokens, with each
+    prompt shared by several rows (a GRPO group) run once: per chunk of `batch_size` rows, one
+    forward of the chunk's unique prefixes with a KV cache (`gear.prefix.prefix_cache`, under
+    the caller's grad mode), then one forward of each row's last prompt token and completion
+    through TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`: `labels`,
+    `fused_lm_head=True`), which scores only those positions.
+
+    A plain TRL pass runs every row's prompt, and on CPU projects every position through the LM
+    head. The result equals it to float rounding (tests/test_loss_prefix.py), gradients
+    included: the prefix's keys and values carry them to the rows that read them. Positions
+    are the plain pass's (no `position_ids`, as TRL passes none).
+
+    Args:
+        model: the policy (or a reference) as TRL calls it, with TRL's fused LM head added.
+        input_ids, attention_mask: (B, L) left-padded prompts, then completions.
+    Returns:
+        ((B, logits_to_keep) log-probs, (B, logits_to_keep) entropies or None), or None when
+        the model's cache cannot be shared (then run TRL's plain pass).
+    """
+    n_tail = logits_to_keep + 1  # the last prompt token predicts completion token 0
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start : start + batch_size]
+        mask = attention_mask[start : start + batch_size]
+        with accelerator.autocast():
+            cache = prefix_cache(model, ids, mask, n_tail)
+            if cache is None:
+                return None
+            tail = ids[:, -n_tail:]
+            labels = tail.masked_fill(mask[:, -n_tail:] == 0, -100)
+            labels[:, 0] = -100  # the prompt's own last token is not scored
+            out = model(
+                input_ids=tail,
+                attention_mask=mask,
+                past_key_values=cache,
+                labels=labels,
+                fused_lm_head=True,
+            )
+        logps.append(out.log_probs[:, -logits_to_keep:])
+        if compute_entropy:
+            entropies.append(out.entropy[:, -logits_to_keep:])
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None
+
+
+def loss_prefix_blocker(model: nn.Module, width: int, n_tail: int) -> str | None:
+    """Why `shared_prompt_logps` must not run on (B, `width`) rows of `model` now, or None:
+    a position scheme a shared prefix does not reproduce (`prefix_sharing_blocker`), no prefix
+    column, activation checkpointing (the model then returns no cache), or dropout in train
+    mode (one dropout draw for a group's prompt instead of one per row)."""
+    if width - n_tail < 1:
+        return "the rows have no prompt column before the last prompt token"
+    inner = unwrap_model(model)
+    if checkpointing(inner):
+        return "activation checkpointing is on"
+    if dropout_active(inner):
+        return "dropout is active"
+    return prefix_sharing_blocker(model, width)
 
 
 def projection_dtype(accelerator: Any, weight: Tensor) -> torch.dtype:

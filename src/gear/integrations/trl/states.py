@@ -124,7 +124,7 @@ class StudentStates:
             and all(n == 1 for n in steps.lengths[first + 1 : first + longest])
             and steps[0].shape[0] == len(completion_ids)
         )
-        if self._on_every_process(usable):
+        if self.on_every_process(usable):
             self._captured = torch.cat(steps[first : first + longest], dim=1)
         return out
 
@@ -134,18 +134,23 @@ class StudentStates:
         multiple = getattr(self._trainer, "pad_to_multiple_of", None)
         return -(-width // multiple) * multiple if multiple else width
 
+    def captures_trl_pass(self, model: nn.Module) -> bool:
+        """Whether `trl_pass` on `model` now would read the student states off it."""
+        return self.source == TRL_PASS and self._captured is None and model is self._trainer.model
+
     def trl_pass(self, model: nn.Module, logits_to_keep: int, run: Callable[[], Any]) -> Any:
         """Run TRL's per-token log-prob pass (`run()`); the first one on the policy, when armed,
         also gives the student states."""
         t = self._trainer
-        if self.source != TRL_PASS or self._captured is not None or model is not t.model:
+        if not self.captures_trl_pass(model):
             return run()
         with capture_hidden(t.accelerator, model, logits_to_keep, detach=True) as hidden:
             out = run()
         self._captured = torch.cat(hidden)
         return out
 
-    def _on_every_process(self, flag: bool) -> bool:
+    def on_every_process(self, flag: bool) -> bool:
+        """`flag` where every process holds it (a vote; one process: `flag`)."""
         accelerator = self._trainer.accelerator
         if accelerator.num_processes == 1:
             return flag

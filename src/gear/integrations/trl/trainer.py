@@ -43,6 +43,8 @@ from gear.integrations.trl.forwards import (
     answer_influence,
     answer_perturbation,
     eval_mode,
+    loss_prefix_blocker,
+    shared_prompt_logps,
 )
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
@@ -366,13 +368,46 @@ class GEARTrainer(GRPOTrainer):
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        return self._student.trl_pass(
-            model,
-            logits_to_keep,
-            lambda: super(GEARTrainer, self)._get_per_token_logps_and_entropies(
+        def plain() -> Any:
+            return super(GEARTrainer, self)._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            ),
+            )
+
+        def run() -> Any:
+            if not self._shares_loss_prompts(model, input_ids, logits_to_keep, args, kwargs):
+                return plain()
+            out = shared_prompt_logps(
+                self.accelerator,
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                kwargs.get("batch_size"),
+                kwargs.get("compute_entropy", False),
+            )
+            return plain() if out is None else (*out, None)
+
+        # a pass the student states are read off runs plain: the capture reads whole rows
+        capturing = self._student.captures_trl_pass(model)
+        return self._student.trl_pass(model, logits_to_keep, plain if capturing else run)
+
+    def _shares_loss_prompts(
+        self, model: Any, input_ids: Tensor, logits_to_keep: int, args: tuple, kwargs: dict
+    ) -> bool:
+        """Whether TRL's log-prob pass over these rows runs with shared prompts
+        (`loss_prefix_sharing`); every process decides alike (sharded forwards pair up)."""
+        text_only = not args and all(
+            kwargs.get(k) is None
+            for k in kwargs
+            if k not in ("batch_size", "compute_entropy", "compute_aux_loss")
         )
+        share = (
+            self.args.loss_prefix_sharing
+            and text_only
+            and not kwargs.get("compute_aux_loss", False)
+            and loss_prefix_blocker(model, input_ids.size(1), logits_to_keep + 1) is None
+        )
+        return self._student.on_every_process(share)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         mode = "train" if self.model.training else "eval"
