@@ -69,7 +69,19 @@ CHECKPOINTING = checkpointing_field(TrainingArguments)  # renamed in transformer
 GEAR_TIMES = ("teacher_prompts", "teacher", "student", "signals", "contrast", "influence", "credit")
 #: arms of `run` named after the credit method they train with (benchmarks/oar.py)
 CREDIT_ARMS = ("oar_g", "oar_p")
-METHODS = ("grpo", "gear", "gear_unshared", "gear_contrast", "gear_before")
+METHODS = (
+    "grpo",
+    "gear",
+    "gear_unshared",
+    "gear_contrast",
+    "gear_before",
+    "gear_shared_loss",
+    "grpo_shared_loss",
+)
+#: issue 61's arms: TRL's log-prob passes share each group's prompt (`loss_prefix_sharing`);
+#: grpo_shared_loss is GEARTrainer with credit_method="grpo" (no teacher), so that GEAR's own
+#: overhead can be read against a GRPO step that shares its prompts too
+SHARED_LOSS = {"gear_shared_loss": "gear", "grpo_shared_loss": "grpo"}
 
 
 class StepClock(TrainerCallback):
@@ -149,10 +161,11 @@ def run(
         trainer = GRPOTrainer(args=config, **common)
     else:  # gear train's recipe (gear.run) with this config
         gear = dict(
-            credit_method=method if method in CREDIT_ARMS else "gear",
+            credit_method=method if method in CREDIT_ARMS else SHARED_LOSS.get(method, "gear"),
             teacher="current",
             credit_log_steps=0,
             prefix_sharing=method != "gear_unshared",
+            loss_prefix_sharing=method in SHARED_LOSS,
         ) | (extra or {})
         if method == "gear_contrast":  # the right-answer teacher minus a wrong-answer one
             gear["teacher_context"] = "contrast"
@@ -288,7 +301,9 @@ def main() -> None:
         help="comma-separated, from grpo, gear (prefix sharing on), gear_unshared (off), "
         "gear_contrast (teacher_context='contrast': one more teacher pass, kept under "
         "'teacher_context_contrast'), gear_before (no teacher skip, LoRA passes unmerged: "
-        "GEAR before issue 48); grpo and gear are required",
+        "GEAR before issue 48), gear_shared_loss and grpo_shared_loss (GEAR and GEARTrainer's "
+        "GRPO with loss_prefix_sharing: issue 61, kept under '<lora key>_loss_prefix_sharing'); "
+        "grpo and gear are required",
     )
     ap.add_argument("--name", default="step")
     ap.add_argument(
@@ -471,6 +486,28 @@ def main() -> None:
             f"{extra['ratio_before']:.3f}   teacher {old['teacher_s']:.2f} s -> "
             f"{gear['teacher_s']:.2f} s, signals {old['signals_s']:.2f} s -> {gear['signals_s']:.2f} s"
         )
+    if set(SHARED_LOSS) <= set(by):
+        shared_gear, shared_grpo = by["gear_shared_loss"], by["grpo_shared_loss"]
+        extra |= {
+            "loss_prefix_sharing": {
+                "gear_over_gear_plain_loss": shared_gear["wall_s"] / gear["wall_s"],
+                "grpo_over_trl_grpo": shared_grpo["wall_s"] / grpo["wall_s"],
+                "gear_over_grpo_both_shared": shared_gear["wall_s"] / shared_grpo["wall_s"],
+                "gear_over_trl_grpo": shared_gear["wall_s"] / grpo["wall_s"],
+                "paired_gear_over_grpo_both_shared": [
+                    p["gear_shared_loss"] / p["grpo_shared_loss"]
+                    for p in per_pair.values()
+                    if set(SHARED_LOSS) <= set(p)
+                ],
+            }
+        }
+        ls = extra["loss_prefix_sharing"]
+        print(
+            f"loss_prefix_sharing: GEAR {gear['wall_s']:.2f} -> {shared_gear['wall_s']:.2f} s "
+            f"({ls['gear_over_gear_plain_loss']:.3f}x), GRPO {grpo['wall_s']:.2f} -> "
+            f"{shared_grpo['wall_s']:.2f} s ({ls['grpo_over_trl_grpo']:.3f}x); GEAR / GRPO "
+            f"both shared: {ls['gear_over_grpo_both_shared']:.3f}"
+        )
     result = {
         "machine": {**machine(), "capability": torch.backends.cpu.get_cpu_capability()},
         "precision": "bf16 autocast" if args.bf16 else "float32",
@@ -499,6 +536,8 @@ def main() -> None:
     # beside the full fine-tuning figures of the same file: a LoRA run, a contrast run
     key = f"lora_r{args.lora}" if args.lora else None
     key = "teacher_context_contrast" if "gear_contrast" in methods else key
+    if set(SHARED_LOSS) <= set(methods):
+        key = f"{key or 'full'}_loss_prefix_sharing"
     if key:
         path = RESULTS / f"{args.name}.json"
         kept = json.loads(path.read_text()) if path.is_file() else {}

@@ -60,19 +60,21 @@ def test_each_arm_trains_a_copy_and_only_gears_arms_run_the_teacher(
         assert [r["step"] for r in result] == [1, 2]
         assert all(r["method"] == method and r["wall_s"] > 0 for r in result)
         ran_teacher = [r["teacher_s"] > 0 for r in result]
-        assert ran_teacher == [method != "grpo"] * 2, method
+        assert ran_teacher == [method not in ("grpo", "grpo_shared_loss")] * 2, method
         # only the contrast arm runs (and times) the wrong-answer teacher's pass
         assert [r["contrast_s"] > 0 for r in result] == [method == "gear_contrast"] * 2, method
-    # gear, gear_unshared, gear_contrast, gear_before
-    assert [a.prefix_sharing for a in built] == [True, False, True, True]
+    # gear, gear_unshared, gear_contrast, gear_before, gear_shared_loss, grpo_shared_loss
+    assert [a.prefix_sharing for a in built] == [True, False, True, True, True, True]
     assert [a.teacher_context for a in built] == ["worked_solution"] * 2 + ["contrast"] + [
         "worked_solution"
-    ]
-    assert [a.skip_zero_advantage_rows for a in built] == [True] * 3 + [False]
-    assert [a.merge_lora_passes for a in built] == [True] * 3 + [False]
-    assert all(a.credit_method == "gear" and a.credit_log_steps == 0 for a in built)
+    ] * 3
+    assert [a.skip_zero_advantage_rows for a in built] == [True] * 3 + [False] + [True] * 2
+    assert [a.merge_lora_passes for a in built] == [True] * 3 + [False] + [True] * 2
+    assert [a.loss_prefix_sharing for a in built] == [False] * 4 + [True] * 2
+    assert [a.credit_method for a in built] == ["gear"] * 5 + ["grpo"]
+    assert all(a.credit_log_steps == 0 for a in built)
     assert all(a.save_strategy == "no" and a.learning_rate == 1e-2 for a in built)
-    assert len(adapters) == 5 and all(
+    assert len(adapters) == 7 and all(
         [c.r for c in a.values()] == ([lora] if lora else []) for a in adapters
     )
 
