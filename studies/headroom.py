@@ -50,6 +50,7 @@ RULE = "docs/evidence/2026-11-28-headroom-rule.md"
 OUT = RESULTS / "headroom.json"
 COPIES = RESULTS / "headroom"  # the studies' rule.json / compare.* as gear compare wrote them
 PILOT, PILOT2, STUDY = RUNS / "pilot", RUNS / "pilot2", RUNS / "study"  # pilot2: amendment 1
+PILOT32 = RUNS / "pilot32"  # the pilot again at 32 steps, where the rule's clause fires
 
 # ------------------------------------------------------------------------------ the rule's numbers
 RECIPE = [
@@ -94,14 +95,17 @@ def learning_rate() -> float:
 
 
 def pilot_dir() -> Path:
-    """The pilot `plan` reads: at the chosen rate (`pilot2`) once amendment 1 chose one."""
+    """The pilot `plan` reads: at the chosen rate (`pilot2`) once amendment 1 chose one, and
+    that pilot again at 32 steps (`pilot32`) once the rule's clause fired (`longer`)."""
+    if records().get("longer"):
+        return PILOT32
     return PILOT2 if records().get("lr") else PILOT
 
 
 def studies() -> list[tuple[str, Path]]:
     """Every study directory, in the order they ran: reported, kept and restored alike."""
     return [("pilot", PILOT), *((p.name, p) for p in map(lr_dir, LR_CANDIDATES)),
-            ("pilot2", PILOT2), ("study", STUDY)]  # fmt: skip
+            ("pilot2", PILOT2), ("pilot32", PILOT32), ("study", STUDY)]  # fmt: skip
 
 
 def checkpoint_dir(seed: int = 0) -> Path:
@@ -304,6 +308,12 @@ def plan() -> dict[str, Any]:
            "n": n, "mde_at_n": mde, "longer": gain["mean"] < LONGER_IF_GRPO_GAINS_BELOW,
            "steps": steps()}  # fmt: skip
     records().put("plan", out)
+    if out["longer"] and steps() == 16:  # the rule's one recipe change, made once
+        records().put("longer", {"pilot": pilot.name, "grpo_gain": gain,
+                                 "threshold": LONGER_IF_GRPO_GAINS_BELOW,
+                                 "made": time.strftime("%Y-%m-%d %H:%M:%S")})  # fmt: skip
+        out["next"] = ("the 32-step clause fired: every run trains 32 steps from now on; run the "
+                       "pilot again (pilot --arm grpo, pilot --arm oracle), then plan")  # fmt: skip
     return out
 
 
@@ -562,8 +572,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(plan(), indent=1))
     elif a.stage == "study":
         kept = records().get("plan")
-        if kept is None:
-            raise SystemExit("the plan first: python -m studies.headroom plan")
+        if kept is None or kept["pilot"] != pilot_dir().name:
+            raise SystemExit(
+                f"the plan from {pilot_dir().name} first: python -m studies.headroom plan"
+            )
         launch(STUDY, (*STAGE_A, *STAGE_B), list(range(kept["n"])), a.arm or "grpo", a.threads,
                learning_rate())  # fmt: skip
     elif a.stage == "restore":

@@ -136,3 +136,33 @@ def test_a_piece_is_kept_with_its_wall_time_and_exit_code(tmp_path, monkeypatch,
     assert piece["exit"] == 0 and piece["wall_s"] >= 0 and piece["study"] == "pilot2"
     assert "learning_rate=3e-05" in piece["command"]
     assert "pilot2 grpo: exit 0 after" in capsys.readouterr().out
+
+
+def test_the_32_step_clause_fires_once_on_grpos_own_gain_and_moves_the_pilot(tmp_path, monkeypatch):
+    """The rule: if the pilot's GRPO gains < +0.02 on average, every run trains 32 steps and the
+    pilot runs again at 32 (`pilot32`); `plan` then reads that pilot and never fires again."""
+    from gear.evidence import RecordStore
+
+    store = RecordStore(tmp_path)
+    monkeypatch.setattr(headroom, "records", lambda: store)
+    store.put("lr", {"chosen": 3e-5})
+    store.put("pieces", [{"study": p, "wall_s": 3600.0, "threads": 1}
+                         for p in ("pilot2", "pilot32") for _ in range(6)])  # fmt: skip
+    gains = {"pilot2": [0.01, -0.01, 0.02], "pilot32": [0.00, 0.01, 0.00]}
+
+    def finished(out):
+        g = gains[out.name]
+        return {"grpo": {s: run(0.40 + g[i]) for i, s in enumerate(headroom.PILOT_SEEDS)},
+                "oracle": {s: run(0.45) for s in headroom.PILOT_SEEDS}}  # fmt: skip
+
+    monkeypatch.setattr(headroom, "finished", finished)
+    assert headroom.steps() == 16 and headroom.pilot_dir().name == "pilot2"
+    first = headroom.plan()
+    assert first["longer"] and first["steps"] == 16 and "32-step clause fired" in first["next"]
+    assert headroom.steps() == 32 and headroom.pilot_dir().name == "pilot32"
+    assert store.get("longer")["pilot"] == "pilot2"
+    cmd = headroom.compare_command(headroom.pilot_dir(), headroom.STAGE_A, [100], "grpo", 3e-5)
+    assert cmd[cmd.index("--steps") + 1] == "32" and cmd[cmd.index("--out") + 1].endswith("pilot32")
+    again = headroom.plan()  # GRPO still gains < 0.02 at 32 steps: no further change
+    assert again["pilot"] == "pilot32" and again["steps"] == 32 and "next" not in again
+    assert store.get("longer")["pilot"] == "pilot2"
