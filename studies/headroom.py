@@ -57,6 +57,12 @@ RECIPE = [
     "--task", "arithmetic", "--set", "task_options={mix: 'chain:1'}",
     "--set", "max_completion_length=96", "--set", "eval_max_new_tokens=96", "--set", "bf16=false",
 ]  # fmt: skip
+# Amendment 2: the held-out set pinned to the rule's (gear train's shipped evaluation may change
+# under issue 61), and TRL's loss pass sharing each group's prompt (equal to float rounding)
+AMENDMENT_2 = [
+    "--set", "eval_n=200", "--set", "eval_samples=8", "--set", "eval_seed=0",
+    "--set", "loss_prefix_sharing=true",
+]  # fmt: skip
 SHARP = "credit_modulation=exp,credit_beta=5,credit_w_min=0,credit_w_max=100"
 ARMS = {  # name -> gear compare's --methods value
     "grpo": "grpo",
@@ -185,9 +191,10 @@ def compare_command(
     out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float = RULE_LR
 ) -> list[str]:
     rate = [] if lr == RULE_LR else ["--set", f"learning_rate={lr:g}"]  # the first pilot's command
+    amended = AMENDMENT_2 if out not in (PILOT, PILOT2, *map(lr_dir, LR_CANDIDATES)) else []
     return [
         sys.executable, "-m", "gear.cli", "compare",
-        "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE, *rate,
+        "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE, *rate, *amended,
         "--steps", str(steps()), *(x for a in arms for x in ("--methods", ARMS[a])),
         *(x for s in seeds for x in ("--seeds", str(s))), "--effect", str(EFFECT),
         "--out", str(out.relative_to(ROOT)), "--only", only,

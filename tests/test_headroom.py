@@ -163,6 +163,10 @@ def test_the_32_step_clause_fires_once_on_grpos_own_gain_and_moves_the_pilot(tmp
     assert store.get("longer")["pilot"] == "pilot2"
     cmd = headroom.compare_command(headroom.pilot_dir(), headroom.STAGE_A, [100], "grpo", 3e-5)
     assert cmd[cmd.index("--steps") + 1] == "32" and cmd[cmd.index("--out") + 1].endswith("pilot32")
+    # amendment 2: runs after pilot2 pin the rule's held-out set and share the loss pass's prompts
+    assert {"eval_n=200", "eval_samples=8", "loss_prefix_sharing=true"} <= set(cmd)
+    before = headroom.compare_command(headroom.PILOT2, headroom.STAGE_A, [100], "grpo", 3e-5)
+    assert not any(x.startswith(("eval_n=", "loss_prefix_sharing=")) for x in before)
     again = headroom.plan()  # GRPO still gains < 0.02 at 32 steps: no further change
     assert again["pilot"] == "pilot32" and again["steps"] == 32 and "next" not in again
     assert store.get("longer")["pilot"] == "pilot2"
