@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from gear.evidence import RecordStore
+from gear.evidence import RecordStore, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "studies" / "results"
@@ -444,11 +444,33 @@ def print_table(result: dict) -> None:
         )
 
 
+def eval_size(runs: list[dict], sizes: tuple[int, ...] = (200, 100, 50)) -> dict:
+    """Issue 61: would a smaller held-out set keep the main job's learning evidence decisive?
+    For each size n, each run's after - before paired 95% interval over its first n held-out
+    problems (the problem order is fixed by `eval_seed`, and a problem's sampling noise by the
+    problem alone, so these are the scores an n-problem evaluation gives, up to the float
+    rounding of a different batch), per metric, and how many runs' intervals are above 0."""
+    from gear.evidence import paired
+
+    out: dict = {}
+    for n in sizes:
+        row: dict = {}
+        for metric in ("mean_reward", "greedy"):
+            per_seed = []
+            for r in runs:
+                b, a = (r[w]["per_problem"][metric][:n] for w in ("before", "after"))
+                d = paired(a, b)
+                per_seed.append({"seed": r["seed"], "mean": d["mean"], "ci": d["ci"]})
+            row[metric] = {"runs": per_seed, "above_0": sum(x["ci"][0] > 0 for x in per_seed)}
+        out[str(n)] = row
+    return {"seeds": [r["seed"] for r in runs], "sizes": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("stage", choices=["sweep", "gate", "main", "control", "report"])
+    ap.add_argument("stage", choices=["sweep", "gate", "main", "control", "report", "eval-size"])
     ap.add_argument("--setting", help="the sweep setting the gate runs on (the rule's choice)")
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
     ap.add_argument("--seeds", nargs="*", type=int)
@@ -470,6 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         sft_control(a.setting)
     elif a.stage == "main":
         run_all([("main", "default", "default", s) for s in a.seeds or MAIN_SEEDS], a.workers)
+    elif a.stage == "eval-size":  # reads the main job's kept runs; trains nothing
+        result = eval_size(sorted(records("main"), key=lambda r: r["seed"]))
+        write_json(RESULTS / "main_job_eval_size.json", result)
+        for n, row in result["sizes"].items():
+            print(f"{n} problems: " + ", ".join(
+                f"{m} above 0 in {v['above_0']} of {len(result['seeds'])} (lowest bound "
+                f"{min(x['ci'][0] for x in v['runs']):+.3f})" for m, v in row.items()))  # fmt: skip
+        return 0
     report(a.setting, a.out)
     return 0
 

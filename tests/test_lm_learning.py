@@ -493,3 +493,25 @@ def test_a_failed_run_does_not_cancel_the_runs_not_yet_started():
         in_parallel(job, list(range(6)), 2)
     assert sorted(ran) == list(range(6))
     assert in_parallel(job, [0, 2, 3], 2) == [0, 20, 30]
+
+
+def test_eval_size_reads_each_runs_first_problems_and_counts_intervals_above_zero():
+    """Issue 61's check of a smaller held-out set for the main job: per size, each run's paired
+    interval over its first n problems; a run that learned only on the later problems is above 0
+    at 200 and not at 100."""
+    from studies.lm_recipe import eval_size
+
+    def run(seed, after):
+        before = [0.25, 0.5] * 100
+        return {"seed": seed,
+                "before": {"per_problem": {"mean_reward": before, "greedy": before}},
+                "after": {"per_problem": {"mean_reward": after, "greedy": after}}}  # fmt: skip
+
+    learned = [0.75, 1.0] * 100
+    late = [0.25, 0.5] * 50 + [0.75, 1.0] * 50  # no change on the first 100 problems
+    out = eval_size([run(0, learned), run(1, late)], sizes=(200, 100))
+    assert out["seeds"] == [0, 1]
+    assert out["sizes"]["200"]["mean_reward"]["above_0"] == 2
+    assert out["sizes"]["100"]["mean_reward"]["above_0"] == 1
+    first = out["sizes"]["100"]["greedy"]["runs"][0]
+    assert first["seed"] == 0 and first["mean"] == pytest.approx(0.5)
