@@ -183,7 +183,7 @@ class GEARConfig(GRPOConfig):
         },
     )
     loss_prefix_sharing: bool = field(
-        default=False,  # True once issue 58's second pilot, started before it, has finished
+        default=False,  # gear train's recipe turns it on (configs/default.yaml)
         metadata={
             "help": "In TRL's log-prob passes (the loss forward with its backward; old and "
             "reference log-probs where TRL runs them), compute a prompt shared by several rows "
@@ -192,7 +192,8 @@ class GEARConfig(GRPOConfig):
             "log-probs, entropies and gradients to float rounding, for a fraction of the "
             "tokens (a step of `gear train` ~1.4x faster on CPU). TRL's plain pass runs instead "
             "under activation checkpointing, active dropout, multimodal inputs, MoE aux losses, "
-            "and position schemes a shared prefix does not reproduce."
+            "and position schemes a shared prefix does not reproduce. Opt-in here: tested in one process "
+            "(tests/test_loss_prefix.py, gear train); not yet run under vLLM, DeepSpeed or FSDP."
         },
     )
     signal_chunk_size: int = setting("signal_chunk_size")
