@@ -190,7 +190,7 @@ class GEARConfig(GRPOConfig):
             "(a GRPO group) once, with a KV cache, then each row's completion through TRL's "
             "fused LM head (`gear.integrations.trl.forwards.shared_prompt_logps`): the same "
             "log-probs, entropies and gradients to float rounding, for a fraction of the "
-            "tokens (a step of `gear train` ~1.4x faster on CPU). TRL's plain pass runs instead "
+            "tokens (a step of `gear train` 1.5x faster on 2 AVX2 cores, BENCHMARKS). TRL's plain pass runs instead "
             "under activation checkpointing, active dropout, multimodal inputs, MoE aux losses, "
             "and position schemes a shared prefix does not reproduce. Opt-in here: tested in one process "
             "(tests/test_loss_prefix.py, gear train); not yet run under vLLM, DeepSpeed or FSDP."
