@@ -50,7 +50,6 @@ RULE = "docs/evidence/2026-11-28-headroom-rule.md"
 OUT = RESULTS / "headroom.json"
 COPIES = RESULTS / "headroom"  # the studies' rule.json / compare.* as gear compare wrote them
 PILOT, PILOT2, STUDY = RUNS / "pilot", RUNS / "pilot2", RUNS / "study"  # pilot2: amendment 1
-PILOT32 = RUNS / "pilot32"  # the pilot again at 32 steps, where the rule's clause fires
 
 # ------------------------------------------------------------------------------ the rule's numbers
 RECIPE = [
@@ -63,6 +62,10 @@ AMENDMENT_2 = [
     "--set", "eval_n=200", "--set", "eval_samples=8", "--set", "eval_seed=0",
     "--set", "loss_prefix_sharing=true",
 ]  # fmt: skip
+# Amendment 3: the recipe file frozen (gear train's default.yaml as of 2026-11-29), so a later
+# change to the shipped recipe cannot reach the study's runs or change its rule between sessions
+FROZEN_RECIPE = ROOT / "studies" / "headroom_recipe.yaml"
+AMENDMENT_3 = ["--config", str(FROZEN_RECIPE.relative_to(ROOT))]
 SHARP = "credit_modulation=exp,credit_beta=5,credit_w_min=0,credit_w_max=100"
 ARMS = {  # name -> gear compare's --methods value
     "grpo": "grpo",
@@ -101,17 +104,16 @@ def learning_rate() -> float:
 
 
 def pilot_dir() -> Path:
-    """The pilot `plan` reads: at the chosen rate (`pilot2`) once amendment 1 chose one, and
-    that pilot again at 32 steps (`pilot32`) once the rule's clause fired (`longer`)."""
-    if records().get("longer"):
-        return PILOT32
+    """The pilot `plan` reads: at the chosen rate (`pilot2`) once amendment 1 chose one. The
+    rule's 32-step clause also re-ran the pilot at 32 steps; amendment 3 dropped that re-run
+    (whatever it showed, n stays 3), so `pilot2` stays the pilot once the clause fired."""
     return PILOT2 if records().get("lr") else PILOT
 
 
 def studies() -> list[tuple[str, Path]]:
     """Every study directory, in the order they ran: reported, kept and restored alike."""
     return [("pilot", PILOT), *((p.name, p) for p in map(lr_dir, LR_CANDIDATES)),
-            ("pilot2", PILOT2), ("pilot32", PILOT32), ("study", STUDY)]  # fmt: skip
+            ("pilot2", PILOT2), ("study", STUDY)]  # fmt: skip
 
 
 def checkpoint_dir(seed: int = 0) -> Path:
@@ -191,7 +193,11 @@ def compare_command(
     out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float = RULE_LR
 ) -> list[str]:
     rate = [] if lr == RULE_LR else ["--set", f"learning_rate={lr:g}"]  # the first pilot's command
-    amended = AMENDMENT_2 if out not in (PILOT, PILOT2, *map(lr_dir, LR_CANDIDATES)) else []
+    amended = (
+        [*AMENDMENT_3, *AMENDMENT_2]
+        if out not in (PILOT, PILOT2, *map(lr_dir, LR_CANDIDATES))
+        else []
+    )
     return [
         sys.executable, "-m", "gear.cli", "compare",
         "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE, *rate, *amended,
@@ -319,8 +325,8 @@ def plan() -> dict[str, Any]:
         records().put("longer", {"pilot": pilot.name, "grpo_gain": gain,
                                  "threshold": LONGER_IF_GRPO_GAINS_BELOW,
                                  "made": time.strftime("%Y-%m-%d %H:%M:%S")})  # fmt: skip
-        out["next"] = ("the 32-step clause fired: every run trains 32 steps from now on; run the "
-                       "pilot again (pilot --arm grpo, pilot --arm oracle), then plan")  # fmt: skip
+        out["next"] = ("the 32-step clause fired: every run trains 32 steps from now on; plan "
+                       "again, then stage A (amendment 3: the pilot is not re-run)")  # fmt: skip
     return out
 
 
@@ -337,6 +343,22 @@ def choose_lr() -> dict[str, Any]:
     out = {"seed": LR_SEED, "gain": {f"{lr:g}": g for lr, g in gains.items()},
            "chosen": chosen, "chosen_gain": gain, "learns": gain > 0}  # fmt: skip
     records().put("lr", out)
+    return out
+
+
+def fits_stage_b(n: int) -> dict[str, Any]:
+    """The rule: stage B runs only if the budget then allows its 2n runs. Decided once, when
+    stage A is complete (kept as `stage_b_budget`): its 2n runs at stage A's measured
+    core-hours per run, +5% for the teacher pass, against what is left of the budget."""
+    kept = records().get("stage_b_budget")
+    if kept is not None:
+        return kept
+    pieces = [p for p in records().get("pieces") or [] if p.get("study") == STUDY.name]
+    per_run = sum(p.get("wall_s", 0.0) * p.get("threads", 1) for p in pieces) / (2 * n) / 3600
+    needs, left = 2 * n * per_run * STAGE_B_COST / 4, BUDGET - core_hours()
+    out = {"n": n, "core_hours_per_run": per_run, "needs": needs, "left": left,
+           "fits": needs <= left, "made": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    records().put("stage_b_budget", out)
     return out
 
 
@@ -443,7 +465,12 @@ def report() -> dict[str, Any]:
             out["stop"] = ("the gate failed: GRPO does not learn here" if not a["gate"]["passed"]
                            else "no headroom: the rule stops after stage A")  # fmt: skip
         elif complete:
-            out["stage_b"] = stage_b(runs, seeds)
+            out["stage_b_budget"] = fits_stage_b(len(seeds))
+            if out["stage_b_budget"]["fits"]:
+                out["stage_b"] = stage_b(runs, seeds)
+            else:
+                out["stop"] = ("headroom, but stage B's runs do not fit the 24 core-hours: the "
+                               "rule runs it only if the budget allows")  # fmt: skip
     out["pieces"] = records().get("pieces") or []
     out["core_hours"] = {"used": round(core_hours(), 2), "limit": BUDGET}
     out["capability"] = torch.backends.cpu.get_cpu_capability()
@@ -582,6 +609,12 @@ def main(argv: list[str] | None = None) -> None:
         if kept is None or kept["pilot"] != pilot_dir().name:
             raise SystemExit(
                 f"the plan from {pilot_dir().name} first: python -m studies.headroom plan"
+            )
+        budget = records().get("stage_b_budget")
+        if a.arm in STAGE_B and not (budget or {}).get("fits"):
+            raise SystemExit(
+                f"{a.arm} is stage B's: it runs after stage A shows headroom and only "
+                "if its runs fit the budget (report decides; stage_b_budget)"
             )
         launch(STUDY, (*STAGE_A, *STAGE_B), list(range(kept["n"])), a.arm or "grpo", a.threads,
                learning_rate())  # fmt: skip

@@ -138,35 +138,69 @@ def test_a_piece_is_kept_with_its_wall_time_and_exit_code(tmp_path, monkeypatch,
     assert "pilot2 grpo: exit 0 after" in capsys.readouterr().out
 
 
-def test_the_32_step_clause_fires_once_on_grpos_own_gain_and_moves_the_pilot(tmp_path, monkeypatch):
-    """The rule: if the pilot's GRPO gains < +0.02 on average, every run trains 32 steps and the
-    pilot runs again at 32 (`pilot32`); `plan` then reads that pilot and never fires again."""
+def test_the_32_step_clause_fires_once_on_grpos_own_gain_and_stage_a_trains_32(
+    tmp_path, monkeypatch
+):
+    """The rule: if the pilot's GRPO gains < +0.02 on average, every run trains 32 steps. The
+    rule also re-ran the pilot at 32; amendment 3 dropped that re-run, so `plan` keeps reading
+    `pilot2` (never firing again) and stage A's command trains 32 steps."""
     from gear.evidence import RecordStore
 
     store = RecordStore(tmp_path)
     monkeypatch.setattr(headroom, "records", lambda: store)
     store.put("lr", {"chosen": 3e-5})
-    store.put("pieces", [{"study": p, "wall_s": 3600.0, "threads": 1}
-                         for p in ("pilot2", "pilot32") for _ in range(6)])  # fmt: skip
-    gains = {"pilot2": [0.01, -0.01, 0.02], "pilot32": [0.00, 0.01, 0.00]}
+    store.put("pieces", [{"study": "pilot2", "wall_s": 3600.0, "threads": 1} for _ in range(6)])
+    gains = [0.01, -0.01, 0.02]
 
     def finished(out):
-        g = gains[out.name]
-        return {"grpo": {s: run(0.40 + g[i]) for i, s in enumerate(headroom.PILOT_SEEDS)},
+        assert out.name == "pilot2"
+        return {"grpo": {s: run(0.40 + gains[i]) for i, s in enumerate(headroom.PILOT_SEEDS)},
                 "oracle": {s: run(0.45) for s in headroom.PILOT_SEEDS}}  # fmt: skip
 
     monkeypatch.setattr(headroom, "finished", finished)
     assert headroom.steps() == 16 and headroom.pilot_dir().name == "pilot2"
     first = headroom.plan()
     assert first["longer"] and first["steps"] == 16 and "32-step clause fired" in first["next"]
-    assert headroom.steps() == 32 and headroom.pilot_dir().name == "pilot32"
+    assert headroom.steps() == 32 and headroom.pilot_dir().name == "pilot2"
     assert store.get("longer")["pilot"] == "pilot2"
-    cmd = headroom.compare_command(headroom.pilot_dir(), headroom.STAGE_A, [100], "grpo", 3e-5)
-    assert cmd[cmd.index("--steps") + 1] == "32" and cmd[cmd.index("--out") + 1].endswith("pilot32")
+    cmd = headroom.compare_command(headroom.STUDY, headroom.STAGE_A, [0], "grpo", 3e-5)
+    assert cmd[cmd.index("--steps") + 1] == "32" and cmd[cmd.index("--out") + 1].endswith("study")
     # amendment 2: runs after pilot2 pin the rule's held-out set and share the loss pass's prompts
     assert {"eval_n=200", "eval_samples=8", "loss_prefix_sharing=true"} <= set(cmd)
+    # amendment 3: the study's recipe is its own frozen file, not the shipped default.yaml
+    assert cmd[cmd.index("--config") + 1] == "studies/headroom_recipe.yaml"
     before = headroom.compare_command(headroom.PILOT2, headroom.STAGE_A, [100], "grpo", 3e-5)
     assert not any(x.startswith(("eval_n=", "loss_prefix_sharing=")) for x in before)
-    again = headroom.plan()  # GRPO still gains < 0.02 at 32 steps: no further change
-    assert again["pilot"] == "pilot32" and again["steps"] == 32 and "next" not in again
-    assert store.get("longer")["pilot"] == "pilot2"
+    again = headroom.plan()
+    assert again["pilot"] == "pilot2" and again["steps"] == 32 and "next" not in again
+    assert again["n"] == 3 and store.get("longer")["pilot"] == "pilot2"
+
+
+@pytest.mark.parametrize("study_hours, fits", [(6 * 0.8, True), (6 * 1.0, False)])
+def test_stage_b_runs_only_if_its_runs_fit_what_is_left_of_the_budget(
+    tmp_path, monkeypatch, study_hours, fits
+):
+    """The rule: with n = 3 forced, stage B runs only if the budget then allows its 2n runs,
+    at stage A's measured cost per run (+5% for the teacher); decided once, then kept."""
+    from gear.evidence import RecordStore
+
+    store = RecordStore(tmp_path)
+    monkeypatch.setattr(headroom, "records", lambda: store)
+    # 13 core-hours before stage A, then stage A's 6 runs: left = 24 - 13 - study_hours
+    store.put("pieces", [{"study": "pilot2", "wall_s": 13 * 3600.0, "threads": 1},
+                         {"study": "study", "wall_s": study_hours * 3600.0, "threads": 1}])  # fmt: skip
+    got = headroom.fits_stage_b(3)
+    per_run = study_hours / 6
+    assert got["core_hours_per_run"] == pytest.approx(per_run)
+    assert got["needs"] == pytest.approx(6 * per_run * 1.05)
+    assert got["left"] == pytest.approx(24 - 13 - study_hours) and got["fits"] is fits
+    store.put("pieces", [])  # decided once: later pieces do not change it
+    assert headroom.fits_stage_b(3) == got
+    store.put("plan", {"pilot": "pilot2", "n": 3})
+    store.put("lr", {"chosen": 3e-5})
+    monkeypatch.setattr(headroom, "launch", lambda *a, **k: "launched")
+    if not fits:
+        with pytest.raises(SystemExit, match="stage B"):
+            headroom.main(["study", "--arm", "lead"])
+    else:
+        headroom.main(["study", "--arm", "lead"])
