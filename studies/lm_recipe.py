@@ -9,7 +9,8 @@ last checkpoint (`gear train --resume`).
 Stages (the rule is written in docs/evidence/lm_recipe.md before any of their runs):
 - `sweep`: each setting of `SETTINGS`, GRPO, sweep seed 100 (not a gate seed).
 - `gate`: GRPO on the chosen setting, seeds 0..7; `gear.evidence.learning_gate` decides.
-- `main`: `gear train` as shipped (the default recipe: the paper's GEAR), seeds 0..4.
+- `main`: `gear train` as shipped (the default recipe: the paper's GEAR), seeds 0..4; `--tag`
+  names a re-run of the recipe as shipped now (the report and `eval-size` read the rule's runs).
 - `control`: the positive control: supervised fine-tuning on the worked solutions with the
   gate's LoRA and learning rate, scored by the same evaluation; it must show a gain.
 - `report`: studies/results/lm_recipe.json (`sweep`, `gate`, `main_job`) and a table.
@@ -383,7 +384,7 @@ def report(setting: str | None, out: Path) -> dict:
             }
             for r in control
         ]
-    main = records("main")
+    main = records("main", "default")  # the recipe the rule ran (tagged re-runs apart)
     if main:
         result["main_job"] = {
             "seeds": [r["seed"] for r in main],
@@ -475,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", nargs="*", default=list(SETTINGS))
     ap.add_argument("--seeds", nargs="*", type=int)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--tag",
+        default="default",
+        help="main: the name its runs and records carry (main-TAG-default-seedS); a re-run of "
+        "gear train's recipe as shipped now, once the recipe changed (issue 61: 'eval100')",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "lm_recipe.json")
     a = ap.parse_args(argv)
     if a.stage == "sweep":
@@ -491,9 +498,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--setting: one of {list(SETTINGS)}")
         sft_control(a.setting)
     elif a.stage == "main":
-        run_all([("main", "default", "default", s) for s in a.seeds or MAIN_SEEDS], a.workers)
+        run_all([("main", a.tag, "default", s) for s in a.seeds or MAIN_SEEDS], a.workers)
     elif a.stage == "eval-size":  # reads the main job's kept runs; trains nothing
-        result = eval_size(sorted(records("main"), key=lambda r: r["seed"]))
+        result = eval_size(sorted(records("main", "default"), key=lambda r: r["seed"]))
         write_json(RESULTS / "main_job_eval_size.json", result)
         for n, row in result["sizes"].items():
             print(f"{n} problems: " + ", ".join(

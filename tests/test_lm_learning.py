@@ -515,3 +515,23 @@ def test_eval_size_reads_each_runs_first_problems_and_counts_intervals_above_zer
     assert out["sizes"]["100"]["mean_reward"]["above_0"] == 1
     first = out["sizes"]["100"]["greedy"]["runs"][0]
     assert first["seed"] == 0 and first["mean"] == pytest.approx(0.5)
+
+
+def test_a_tagged_main_run_is_named_apart_and_kept_out_of_the_rules_main_job(tmp_path, monkeypatch):
+    """Issue 61 re-runs the main job as shipped now (`main --tag eval100`): its runs and
+    records carry the tag, and the report and `eval-size` keep reading the rule's runs."""
+    from gear.evidence import RecordStore
+    from studies import lm_recipe
+
+    jobs = []
+    monkeypatch.setattr(lm_recipe, "run_all", lambda js, workers: jobs.extend(js) or [])
+    monkeypatch.setattr(lm_recipe, "report", lambda *a: None)
+    lm_recipe.main(["main", "--tag", "eval100", "--seeds", "0", "1"])
+    assert jobs == [("main", "eval100", "default", 0), ("main", "eval100", "default", 1)]
+    assert lm_recipe.run_name(*jobs[0]) == "main-eval100-default-seed0"
+    assert lm_recipe.settings_of(*jobs[0][:3]) == {}  # gear train's recipe as shipped
+    monkeypatch.setattr(lm_recipe, "RECORDS", tmp_path)
+    store = RecordStore(tmp_path)
+    store.put("main-default-default-seed0", {"setting": "default", "seed": 0})
+    store.put("main-eval100-default-seed0", {"setting": "eval100", "seed": 0})
+    assert [r["setting"] for r in lm_recipe.records("main", "default")] == ["default"]
