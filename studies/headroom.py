@@ -290,10 +290,18 @@ def core_hours() -> float:
     return total / 3600
 
 
+def min_detectable(sd: float, n: int) -> float | None:
+    """The smallest effect (to 0.001, up to 2) a two-sided paired t-test at `ALPHA` on `n`
+    pairs with SD `sd` detects with 80% power; None if none does."""
+    from gear.evidence import power_at
+
+    return next((e / 1000 for e in range(1, 2001) if power_at(e / 1000, sd, n, ALPHA) >= 0.8), None)
+
+
 def plan() -> dict[str, Any]:
     """The rule's n from the finished pilot: n80 at +0.05 from the pilot's paired SD, the
     budget's cap, n, the MDE at n, and the 32-step clause on GRPO's gain. Kept as `plan`."""
-    from gear.evidence import n_for_power, paired, power_at
+    from gear.evidence import n_for_power, paired
 
     pilot = pilot_dir()
     runs = finished(pilot)
@@ -311,10 +319,7 @@ def plan() -> dict[str, Any]:
     n80 = n_for_power(EFFECT, diff["sd"], alpha=ALPHA) if diff["sd"] > 0 else 3
     cap = math.floor((BUDGET - used) / (STAGE_B_COST * per_run))
     n = max(3, min(n80 or 10**6, cap))
-    mde = next(
-        (e / 1000 for e in range(1, 2001) if power_at(e / 1000, diff["sd"], n, ALPHA) >= 0.8),
-        None,
-    )
+    mde = min_detectable(diff["sd"], n)
     out = {"pilot": pilot.name, "learning_rate": learning_rate(), "pilot_seeds": pairs,
            "oracle_minus_grpo": diff, "grpo_gain": gain, "core_hours_per_run": per_run,
            "used_core_hours": used, "n80": n80, "n_cap": cap,
@@ -408,8 +413,12 @@ def stage_a(
         [metric(runs["oracle"][s]) for s in both], [metric(runs["grpo"][s]) for s in both]
     )
     headroom = analysis["gate"]["passed"] and len(both) >= 2 and diff["ci"][0] > 0
+    # amendment 3: the MDE at n from the pilot's SD (the rule's, in `plan`) and, descriptive
+    # only, from stage A's own SD (an SD from 3 pairs is itself noisy)
+    own = min_detectable(diff["sd"], len(both)) if len(both) >= 2 and diff["sd"] > 0 else None
     return {"seeds": both, "missing": sorted(set(seeds) - set(both)), "gate": analysis["gate"],
-            "oracle_minus_grpo": diff, "headroom": bool(headroom)}  # fmt: skip
+            "oracle_minus_grpo": diff, "headroom": bool(headroom),
+            "mde_at_own_sd_descriptive": own}  # fmt: skip
 
 
 def stage_b(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dict[str, Any]:

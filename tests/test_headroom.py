@@ -204,3 +204,14 @@ def test_stage_b_runs_only_if_its_runs_fit_what_is_left_of_the_budget(
             headroom.main(["study", "--arm", "lead"])
     else:
         headroom.main(["study", "--arm", "lead"])
+
+
+def test_the_mde_is_the_smallest_effect_with_80_percent_power_and_stage_a_reports_its_own():
+    from gear.evidence import power_at
+
+    mde = headroom.min_detectable(0.02, 3)
+    assert power_at(mde, 0.02, 3) >= 0.8 > power_at(mde - 0.001, 0.02, 3)
+    a = headroom.stage_a(runs(oracle=[0.08, 0.10, 0.09, 0.11, 0.07]), list(range(5)))
+    sd = a["oracle_minus_grpo"]["sd"]
+    assert a["mde_at_own_sd_descriptive"] == headroom.min_detectable(sd, 5)
+    assert headroom.stage_a(runs(oracle=[0.05]), [0])["mde_at_own_sd_descriptive"] is None
