@@ -291,11 +291,13 @@ def core_hours() -> float:
 
 
 def min_detectable(sd: float, n: int) -> float | None:
-    """The smallest effect (to 0.001, up to 2) a two-sided paired t-test at `ALPHA` on `n`
-    pairs with SD `sd` detects with 80% power; None if none does."""
-    from gear.evidence import power_at
+    """`gear.evidence.mde` at `ALPHA` and 80% power, rounded up to the 0.001 grid the plan
+    recorded (the smallest such effect, up to 2); None if none is (or n < 2, or SD 0)."""
+    from gear.evidence import mde
 
-    return next((e / 1000 for e in range(1, 2001) if power_at(e / 1000, sd, n, ALPHA) >= 0.8), None)
+    m = mde(sd, n, ALPHA)  # NaN for fewer than 2 pairs or no spread
+    e = math.ceil(m * 1000) / 1000 if math.isfinite(m) else math.inf
+    return e if e <= 2 else None
 
 
 def plan() -> dict[str, Any]:
