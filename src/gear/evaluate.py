@@ -415,6 +415,8 @@ def eval_cache_key(cfg: RunConfig) -> str | None:
     }
     if cfg.trainer.get("chat_template_kwargs"):  # they change the prompts; absent: keys as before
         parts["chat_template_kwargs"] = cfg.trainer["chat_template_kwargs"]
+    if getattr(task, "grading_version", None):  # a task's own grading change; absent: as before
+        parts["grading"] = task.grading_version
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -27,6 +27,7 @@ last "Answer:" / "answer is") equals the reference by math-verify.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -50,21 +51,23 @@ FEATURES = FILE_FEATURES
 
 # ---------------------------------------------------------------- \boxed{} and final answers
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\b")
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")  # \boxed5 too, never \boxedsymbol
+# A trailing percent sign, TeX's or plain, with the spaces before it: dropped from both sides
+_PERCENT = re.compile(r"\s*\\?%\s*$")
 _MARKER = re.compile(r"\banswer(?:\s+is\b|\s*:)[ \t]*:?", re.IGNORECASE)
 
 
 def boxed_spans(text: str) -> list[tuple[int, int] | None]:
     """One entry per ``\\boxed`` / ``\\fbox`` in ``text``, in order: ``(start, end)`` of its
     content (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``, braces counted, ``\\{`` / ``\\}``
-    literal), or None where its braces never close (a completion cut short). ``\\boxed 5``
-    (no braces) boxes the text up to the next space or ``$``."""
+    literal), or None where its braces never close (a completion cut short). ``\\boxed 5`` and
+    ``\\boxed5`` (no braces) box the text up to the next space or ``$``."""
     spans: list[tuple[int, int] | None] = []
     for match in _BOXED.finditer(text):
         i = match.end()
         while i < len(text) and text[i].isspace():
             i += 1
-        if i < len(text) and text[i] != "{" and i > match.end():  # \boxed 5
+        if i < len(text) and text[i] != "{":  # \boxed 5, \boxed5
             end = i + re.match(r"[^\s$]*", text[i:]).end()
             spans.append((i, end) if end > i else None)
             continue
@@ -134,7 +137,10 @@ def math_answer_span(text: str) -> tuple[int, int] | None:
 def answers_equal(answer: str, predicted: str) -> bool:
     """Whether ``predicted`` (a final answer's text) is ``answer``: the same text up to spaces,
     or equivalent by math-verify with both read as ``\\boxed{...}`` (a bare ``\\frac{1}{2}``
-    is no LaTeX math-verify finds)."""
+    is no LaTeX math-verify finds). A trailing percent sign (``\\%`` or ``%``) on either side
+    is dropped first, never read as /100: ``10\\%`` = ``10`` = ``10%``, and ``10\\%`` is not
+    ``0.1`` (MATH writes the number of percent in the box, and asks for it so)."""
+    answer, predicted = _PERCENT.sub("", answer), _PERCENT.sub("", predicted)
     if re.sub(r"\s+", "", answer) == re.sub(r"\s+", "", predicted):
         return True
     return math_verify_equal(f"\\boxed{{{answer}}}", f"\\boxed{{{predicted}}}")
@@ -211,6 +217,10 @@ class MathTask(Task):
 
     name = "math"
     hint_kind = "math"
+    #: how `is_correct` grades, as a number: part of the key of cached before-training scores
+    #: (`gear.evaluate.eval_cache_key`), so scores graded before a change are not reused.
+    #: 2: `\\boxed5` read, a trailing percent sign ignored (issue 69).
+    grading_version = 2
 
     def __init__(
         self,
@@ -322,6 +332,12 @@ class MathTask(Task):
                     "box the final answer in the solution, or set answer_key",
                 )
         elif isinstance(answer, int | float) and not isinstance(answer, bool):
+            if not math.isfinite(answer):  # JSON's NaN / Infinity, a parquet NaN
+                raise bad(
+                    f"{answer_field!r} is {answer!r}, expected the answer as text or a finite "
+                    "number",
+                    "correct the row, or set answer_key to another field",
+                )
             answer = str(answer)
         elif not isinstance(answer, str) or not answer.strip():
             raise bad(
