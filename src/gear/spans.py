@@ -169,6 +169,8 @@ def char_span_mask(
                 f"the {what} gave characters {found!r} of a {len(text)}-character "
                 f"completion: expected 0 <= start <= end <= {len(text)} ({text!r})"
             )
+        if start == end:  # an empty range overlaps no token, not even one around it
+            continue
         for col, (a, b) in zip(cols, offsets, strict=True):
             out[i, col] = a < end and b > start and b > a
     return out.to(completion_ids.device)
