@@ -13,7 +13,7 @@ from _trl_helpers import byte_tokenizer, make_trainer, parameters
 from gear.credit import CreditParams, credit_details
 from gear.spans import error_token_mask
 from gear.tasks import get_task
-from gear.tasks.steps import first_wrong_equation_span
+from gear.tasks.steps import first_wrong_equation_span, first_wrong_token_span
 from studies import localization, onpolicy
 
 SHARP = dict(modulation="exp", beta=5.0, w_min=0.0, w_max=100.0)  # the credit gym's winning form
@@ -59,9 +59,10 @@ def test_mass_is_preserved_and_only_failed_placed_rows_move(batch, params):
 def test_the_weights_are_issue_51s_oracle_weights_on_its_rows():
     """Rows built as issue 51 built them (the study's checker, its cumulative-decode offsets,
     `localization.natural_weights(..., "oracle")`) against first_error through the trainer's
-    route (gear's checker, the tokenizer's offsets, `error_token_mask`)."""
+    route (gear's checker, the tokenizer's offsets, `error_token_mask`). Issue 51's oracle
+    blamed the whole wrong equation: the checker's `error_span="step"`."""
     tok = byte_tokenizer()
-    task = get_task("arithmetic", mix="chain:1")
+    task = get_task("arithmetic", mix="chain:1", error_span="step")
     recs, ids = [], []
     for text in TEXTS:
         row_ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -84,6 +85,18 @@ def test_the_weights_are_issue_51s_oracle_weights_on_its_rows():
         assert mask[i].nonzero().flatten().tolist() == list(range(*recs[i]["step"]))
 
 
+def test_the_default_checker_blames_issue_51s_first_wrong_character_alone():
+    """arithmetic's default (`error_span="token"`) marks one token of each failed row, the
+    stated result's first wrong character that issue 51's study recorded (`error_char`)."""
+    tok = byte_tokenizer()
+    task = get_task("arithmetic", mix="chain:1")
+    for text in TEXTS:
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        mask = error_token_mask(tok, ids, torch.ones_like(ids), task.step_checker(), [None])
+        error = onpolicy.check_rollout(text, "999", task)["error"]
+        assert mask[0].nonzero().flatten().tolist() == [error["error_char"]]
+
+
 def test_the_arithmetic_checker_places_the_first_wrong_equation():
     text = TEXTS[0]
     start, end = first_wrong_equation_span(text)
@@ -95,7 +108,7 @@ def test_the_arithmetic_checker_places_the_first_wrong_equation():
 def test_tasks_declare_their_checker_and_others_are_refused_before_any_work():
     from gear.config import check_task_method, resolve_config
 
-    assert get_task("arithmetic", mix="chain:1").step_checker() is first_wrong_equation_span
+    assert get_task("arithmetic", mix="chain:1").step_checker() is first_wrong_token_span
     assert get_task("arithmetic", mix="multistep:1,chain:1").step_checker() is not None
     assert get_task("arithmetic").step_checker() is None  # 1digit and 2digit: one equation
     cfg = resolve_config(None, {"credit_method": "first_error"})

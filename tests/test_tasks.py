@@ -45,7 +45,9 @@ def test_registry_and_errors():
     assert set(TASKS) == {"arithmetic", "gsm8k", "math", "bfcl", "tools"}
     with pytest.raises(ValueError, match=r"unknown task 'nope'.*arithmetic"):
         get_task("nope")
-    with pytest.raises(ValueError, match=r"unknown option.*'levels'.*valid options: \['mix'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown option.*'levels'.*valid options: \['mix', 'error_span'\]"
+    ):
         get_task("arithmetic", levels="1digit")
     with pytest.raises(ValueError, match=r"valid: .*multistep"):
         get_task("arithmetic", mix={"3digit": 1.0})

@@ -5,6 +5,9 @@ numbers), ``multistep`` (a + b - c, a - b + c, a * b + c, a * b - c with small n
 (three additions or subtractions in a row, a + b - c + d, solved in three steps, so an error can
 fall mid-solution). Results, intermediate ones included, are never negative. ``mix`` sets the level weights (default 1digit 0.5, 2digit 0.3,
 multistep 0.2: SmolLM2-135M-Instruct starts well below 50% sampled accuracy on it).
+``error_span`` sets what the step checker of ``credit_method="first_error"`` blames in a failed
+solution: ``token`` (the default), the first wrong digit of its first wrong step, or ``step``,
+that whole step (``22 - 9 = 14``); see `gear.tasks.steps`.
 
 Train and test are disjoint by construction: every problem (its expression string) belongs to
 exactly one split through a hash (20% test), and each split samples only its own problems, from its
@@ -31,7 +34,7 @@ from gear.tasks.base import (
     stable_fraction,
     to_number,
 )
-from gear.tasks.steps import StepChecker, first_wrong_equation_span
+from gear.tasks.steps import StepChecker, first_wrong_equation_span, first_wrong_token_span
 
 LEVELS = ("1digit", "2digit", "multistep", "chain")
 STEP_LEVELS = (
@@ -40,6 +43,11 @@ STEP_LEVELS = (
 )  # solved in several equations: a step checker can place an error
 CHAIN_STEPS = 3
 DEFAULT_MIX = {"1digit": 0.5, "2digit": 0.3, "multistep": 0.2}
+#: what `step_checker` blames (`error_span`): the first wrong token, or the whole wrong step
+ERROR_SPANS: dict[str, StepChecker] = {
+    "token": first_wrong_token_span,
+    "step": first_wrong_equation_span,
+}
 TEST_FRACTION = 0.2
 DEFAULT_SIZE = {"train": 5000, "test": 500}
 FEATURES = Features(
@@ -109,8 +117,14 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     hint_kind = "math"
 
-    def __init__(self, mix: str | dict[str, float] | None = None):
+    def __init__(self, mix: str | dict[str, float] | None = None, error_span: str = "token"):
         self.mix = parse_mix(mix if mix is not None else DEFAULT_MIX, LEVELS, "arithmetic level")
+        if error_span not in ERROR_SPANS:
+            raise ValueError(
+                f"arithmetic: error_span must be one of {list(ERROR_SPANS)} (the first wrong "
+                f"token, or the whole wrong step), got {error_span!r}"
+            )
+        self.error_span = error_span
 
     def dataset(self, split: str, n: int | None = None, seed: int = 0) -> Dataset:
         """``n`` problems (default 5000 train / 500 test) from ``split``; same seed, same rows.
@@ -150,9 +164,11 @@ class ArithmeticTask(Task):
         return final_answer_span(completion_text)
 
     def step_checker(self) -> StepChecker | None:
-        """The first arithmetically wrong equation (`first_wrong_equation_span`) when every level
-        of the mix is solved in steps (`STEP_LEVELS`); None when a one-equation level is in it,
-        where the first wrong step would be the answer itself."""
+        """Where the first arithmetically wrong step goes wrong, as `error_span` says: its first
+        wrong token (`first_wrong_token_span`, the default) or the whole step
+        (`first_wrong_equation_span`). It has one when every level of the mix is solved in steps
+        (`STEP_LEVELS`); None when a one-equation level is in it, where the first wrong step
+        would be the answer itself."""
         if set(self.mix) <= set(STEP_LEVELS):
-            return first_wrong_equation_span
+            return ERROR_SPANS[self.error_span]
         return None
