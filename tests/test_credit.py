@@ -448,6 +448,7 @@ def test_every_method_runs_and_zeroes_invalid_tokens():
             influence=kl.float(),
             perturbation=ent.float(),
             error_mask=kl > kl.median(),
+            prefix_count=torch.ones_like(kl) + (kl > kl.median()),
             params=CreditParams(method=name),
         )
         assert out.dtype == torch.float32 and out.shape == valid.shape

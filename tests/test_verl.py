@@ -96,6 +96,13 @@ def test_random_shape_needs_what_its_candidate_reads():
         settings("oar_p")  # OAR-P's data-dependent forwards would desynchronise sharded ranks
     with pytest.raises(GearConfigError, match="step checker"):
         settings("first_error")  # nor a step checker's mask
+    with pytest.raises(GearConfigError, match=r"lambda_grpo.*response token ids"):
+        settings("lambda_grpo")  # nor each row's response ids for the group prefix tree
+
+
+def test_lambda_grpo_is_refused_with_the_reason():
+    with pytest.raises(GearConfigError, match=r"gear_lambda_grpo.*compute_advantage passes only"):
+        validate_verl_config(verl_cfg(**{"algorithm.adv_estimator": "gear_lambda_grpo"}))
 
 
 def test_random_methods_draw_anew_each_step():
@@ -267,7 +274,7 @@ def expected_token_advantages(rewards, mask, uids, signals, method, eps=1e-4, no
 COMPUTED = sorted(
     n
     for n, m in VERL_ESTIMATORS.items()
-    if not {"influence", "perturbation", "error_mask"}
+    if not {"influence", "perturbation", "error_mask", "prefix_count"}
     & set(CreditParams(method=m).required_signals)
 )
 

@@ -134,8 +134,9 @@ def build_trainer(
         # OAR-G's answer span: the task's parser finds the answer, or its reference is appended
         answer_span=task.answer_span,
         reference_text=task.reference_text,
-        # first_error's blame: where the task's step checker places a failed row's first error
-        **({"step_checker": task.step_checker()} if args.credit_method == "first_error" else {}),
+        # where the task's step checker places a failed row's first error: first_error's blame,
+        # and for every method the gear/branch_* diagnostics (None: the task has no checker)
+        step_checker=task.step_checker(),
         **task.trainer_kwargs(),
     )
     atomic_checkpoints(trainer)

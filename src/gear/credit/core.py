@@ -154,6 +154,7 @@ def credit_details(
     perturbation: Tensor | None = None,
     answer_mask: Tensor | None = None,
     error_mask: Tensor | None = None,
+    prefix_count: Tensor | None = None,
     params: CreditParams | None = None,
     scored: Tensor | None = None,
 ) -> CreditDetails:
@@ -176,6 +177,8 @@ def credit_details(
             valid tokens.
         error_mask: (N, T) bool, the tokens of each row's first wrong step as a step checker
             marks them (`first_error`; `gear.spans.error_token_mask`); no True where it found none.
+        prefix_count: (N, T) how many rows of each row's group share its prefix through each
+            token, >= 1 on valid tokens (`lambda_grpo`; `gear.credit.implicit.prefix_counts`).
         params: `CreditParams`; default GEAR with the spec's defaults.
         scored: (N,) bool, the rows whose signals were computed, or None for all. Unscored rows
             must have advantage 0 and the method must read only advantaged rows
@@ -196,6 +199,7 @@ def credit_details(
         "influence": influence,
         "perturbation": perturbation,
         "error_mask": None if error_mask is None else _as_float_mask(error_mask, response_mask),
+        "prefix_count": _checked_counts(prefix_count, response_mask, scored),
     }
     if skipped is not None:  # unscored rows carry no signal: 0, never a fallback
         skipped = skipped.to(advantages.device)
@@ -240,6 +244,28 @@ def _as_float_mask(mask: Tensor, response_mask: Tensor) -> Tensor:
     return mask.to(torch.float32)
 
 
+def _checked_counts(
+    counts: Tensor | None, response_mask: Tensor, scored: Tensor | None
+) -> Tensor | None:
+    """`prefix_count` as float, after checking it counts at least the row itself on every valid
+    token of a scored row."""
+    if counts is None:
+        return None
+    if not isinstance(counts, Tensor) or tuple(counts.shape) != tuple(response_mask.shape):
+        raise ValueError(
+            f"prefix_count: expected shape {tuple(response_mask.shape)}, got "
+            f"{tuple(getattr(counts, 'shape', ()))}"
+        )
+    rows = response_mask.bool().to(counts.device)
+    if scored is not None:
+        rows = rows & scored.bool().to(counts.device)[:, None]
+    if bool((rows & ~(counts >= 1)).any()):
+        raise ValueError(
+            "prefix_count: expected >= 1 on every valid token (each row shares its own prefix)"
+        )
+    return counts.to(torch.float32)
+
+
 def _skipped_rows(scored: Tensor | None, advantages: Tensor, params: CreditParams) -> Tensor | None:
     """(N,) bool rows left unscored, after checking that skipping them is exact; None: none."""
     if scored is None:
@@ -273,6 +299,7 @@ def token_advantages(
     perturbation: Tensor | None = None,
     answer_mask: Tensor | None = None,
     error_mask: Tensor | None = None,
+    prefix_count: Tensor | None = None,
     params: CreditParams | None = None,
     scored: Tensor | None = None,
 ) -> Tensor:
@@ -290,6 +317,7 @@ def token_advantages(
         perturbation=perturbation,
         answer_mask=answer_mask,
         error_mask=error_mask,
+        prefix_count=prefix_count,
         params=params,
         scored=scored,
     ).token_advantages

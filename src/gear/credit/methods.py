@@ -38,6 +38,7 @@ SIGNALS = (
     "influence",
     "perturbation",
     "error_mask",
+    "prefix_count",
 )
 #: which rows' signals a method reads: those with a non-zero advantage, or all of them
 ROWS = ("advantaged", "all")
@@ -57,6 +58,8 @@ class CreditInputs:
             masked (OAR-P, `gear.credit.attribution.perturbation_influence`).
         error_mask: (N, T) float 0/1 or None, the tokens of each row's first wrong step as a
             step checker marks them (`first_error`; all 0 where it found none).
+        prefix_count: (N, T) float or None, how many rows of the row's group share its prefix
+            through each token (`gear.credit.implicit.prefix_counts`; `lambda_grpo`).
         answer_mask: (N, T) bool or None, the final answer's tokens in the completion (OAR-G's
             and OAR-P's span; None: each row's last `oar_answer_len` valid tokens).
         turn_starts: (N, T) bool or None.
@@ -71,6 +74,7 @@ class CreditInputs:
     influence: Tensor | None = None
     perturbation: Tensor | None = None
     error_mask: Tensor | None = None
+    prefix_count: Tensor | None = None
     answer_mask: Tensor | None = None
     turn_starts: Tensor | None = None
 
@@ -157,11 +161,17 @@ def register_method(
 # --------------------------------------------------------------------------- shared steps 7-9
 
 
-def modulate(source: Tensor, x: CreditInputs, p: CreditParams) -> Tensor:
+def modulate(
+    source: Tensor, x: CreditInputs, p: CreditParams, mass_after_clip: bool = False
+) -> Tensor:
     """Spec §2.7-2.9: sign-aware modulation, mass preservation, clip.
 
     Args:
         source: (N, T) a_t in [0, 1] (0 at invalid tokens).
+        mass_after_clip: rescale so that the *clipped* weights have mean 1 per row
+            (`clipped_to_mass`; ours). The spec clips after rescaling, which loses mass wherever
+            the clip binds: a sharp form's one blamed token of a long row (exp, beta 5, clip
+            [0, 100], n = 400) would take 108 before the clip and the row -391.6 instead of -400.
     Returns:
         (N, T) weights w_t; 1 at invalid tokens.
     """
@@ -170,12 +180,38 @@ def modulate(source: Tensor, x: CreditInputs, p: CreditParams) -> Tensor:
     else:
         raw = torch.exp(-x.sign * p.beta * source)
     raw = torch.where(x.valid, raw, 0.0)
+    if p.preserve_mass and mass_after_clip:
+        return torch.where(x.valid, clipped_to_mass(raw, x.valid, p.w_min, p.w_max), 1.0)
     if p.preserve_mass:
         n = x.valid.sum(dim=1, keepdim=True)
         total = raw.sum(dim=1, keepdim=True)
         raw = raw * (n / torch.where(n > 0, total, 1.0))
     w = raw.clamp(p.w_min, p.w_max)
     return torch.where(x.valid, w, 1.0)
+
+
+def clipped_to_mass(raw: Tensor, valid: Tensor, lo: float, hi: float, iters: int = 64) -> Tensor:
+    """(N, T) w = clamp(s_i * raw, lo, hi) with the one scale s_i per row at which the row's
+    valid weights sum to its valid count n_i (needs lo <= 1 <= hi and raw > 0 on valid tokens;
+    0 elsewhere). The mass is nondecreasing in s: bisection finds which tokens sit at a bound,
+    then s solves the free tokens' linear equation exactly."""
+    n = valid.sum(dim=1, keepdim=True).to(raw.dtype)
+    smallest = torch.where(valid, raw, torch.inf).min(dim=1, keepdim=True).values
+    low = torch.zeros_like(n)
+    high = torch.where(torch.isfinite(smallest), hi / smallest, 1.0)  # every weight at hi
+    for _ in range(iters):
+        mid = (low + high) / 2
+        mass = torch.where(valid, (mid * raw).clamp(lo, hi), 0.0).sum(dim=1, keepdim=True)
+        low, high = torch.where(mass < n, mid, low), torch.where(mass < n, high, mid)
+    scaled = high * raw
+    at_lo, at_hi = valid & (scaled <= lo), valid & (scaled >= hi)
+    free = valid & ~at_lo & ~at_hi
+    free_raw = torch.where(free, raw, 0.0).sum(dim=1, keepdim=True)
+    n_lo, n_hi = (m.sum(dim=1, keepdim=True).to(raw.dtype) for m in (at_lo, at_hi))
+    rest = n - lo * n_lo - hi * n_hi
+    s = torch.where(free_raw > 0, rest / torch.where(free_raw > 0, free_raw, 1.0), high)
+    w = torch.where(at_lo, lo, torch.where(at_hi, hi, s * raw))
+    return torch.where(valid, w, 0.0)
 
 
 def segmented(x: CreditInputs, p: CreditParams, onsets: Tensor, stops: Tensor) -> MethodOutput:
@@ -430,9 +466,30 @@ def first_error(x: CreditInputs, p: CreditParams) -> MethodOutput:
     its blame on the tokens of its first wrong step (`error_mask`), a_t = 1 there and 0 elsewhere,
     through the sign-aware modulation and mass preservation of spec §2.7-2.9. A correct row, or
     a failed row the checker could not place, has a_t = 0 everywhere: w = 1, GRPO's advantage.
-    With the default params these are the weights of issue 51's oracle; the credit gym's winning
-    positive control is the sharp form (`modulation='exp'`, `beta=5`, `w_min=0`, `w_max=100`)."""
+    With the default params these are the weights of issue 51's oracle (the clip never binds
+    there). The mass is preserved after the clip (`clipped_to_mass`), so a sharp form keeps each row's
+    mass exactly; the spec's order (rescale, then clip) would lose it where the clip binds. The
+    checker decides the span: the first wrong token (arithmetic's default) or the whole step.
+    The credit gym's winning positive control is the sharp form (`modulation='exp'`, `beta=5`,
+    `w_min=0`, `w_max=100`) over the whole first wrong step."""
     assert x.error_mask is not None
     failed = (x.advantages < 0)[:, None]
     source = torch.where(x.valid & failed & (x.error_mask > 0), 1.0, 0.0).to(x.advantages.dtype)
-    return MethodOutput(weights=modulate(source, x, p), source=source)
+    return MethodOutput(weights=modulate(source, x, p, mass_after_clip=True), source=source)
+
+
+@register_method("lambda_grpo", requires=("prefix_count",), rows="advantaged")
+def lambda_grpo(x: CreditInputs, p: CreditParams) -> MethodOutput:
+    """lambda-GRPO (Sullivan, arXiv 2509.21154): each token's advantage is divided by c_t, the
+    number of the group's rows that share the row's prefix through that token (`prefix_count`,
+    the row itself included). Rows sharing a prefix have the same gradient there, so GRPO moves
+    a prefix node shared by c rows by the *sum* of their advantages; lambda-GRPO moves it by
+    their *mean*: each node of the group's prefix tree counts once, whatever its visit count.
+    No rescaling, as in the authors' code (the scale multiplies the per-token loss, which is
+    then averaged over the row's token count): a row's mass is A_i * sum_t 1/c_t, below GRPO's
+    A_i * n_i by its shared tokens; on tokens no other row shares (c_t = 1) it is GRPO. Needs
+    no teacher. Source a_t = 1 - 1/c_t, the share of the node's visits that are other rows'."""
+    assert x.prefix_count is not None
+    c = x.prefix_count.clamp(min=1.0)
+    weights = torch.where(x.valid, 1.0 / c, 1.0)
+    return MethodOutput(weights=weights, source=torch.where(x.valid, 1.0 - 1.0 / c, 0.0))

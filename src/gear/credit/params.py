@@ -175,6 +175,16 @@ class CreditParams:
             raise bad("beta", "a number >= 0")
         if not 0 <= self.w_min <= self.w_max:
             raise bad("w_min", f"0 <= w_min <= w_max (w_max={self.w_max})")
+        if (
+            self.method == "first_error"
+            and self.preserve_mass
+            and not self.w_min <= 1 <= self.w_max
+        ):
+            raise bad(
+                "w_max" if self.w_max < 1 else "w_min",
+                f"w_min <= 1 <= w_max with first_error, which preserves each row's mass after "
+                f"the clip (w_min={self.w_min}, w_max={self.w_max})",
+            )
         if not 0 <= self.rlsd_lambda <= 1:
             raise bad("rlsd_lambda", "a number in [0, 1]")
         if not 0 <= self.rlsd_eps < 1:

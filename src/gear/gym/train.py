@@ -36,6 +36,7 @@ from gear.credit.attribution import (
     span_positions,
     tokens_before,
 )
+from gear.credit.implicit import prefix_counts
 from gear.credit.signals import ESTIMATORS, signals_from_logits
 from gear.gym.model import ModelConfig, build_model, completion_logits, evaluate, sample
 from gear.gym.task import BOS, RESULT_OFFSET, STEP_LEN, ChainTask
@@ -61,7 +62,11 @@ DEFAULT_ARMS = {
     "oracle_sharp": f"oracle@{SHARP}",
     "gear_sharp": f"gear@{SHARP}",
 }
-ARM_KEYS = ("estimator", "lr")  # arm-level overrides; every other key is a CreditParams field
+# arm-level overrides; every other key is a CreditParams field
+ARM_KEYS = ("estimator", "lr", "error_span")
+#: what `first_error` blames in a failed rollout: its first wrong token, or its whole first wrong
+#: step (the form the gym's winning `oracle` arms blame)
+ERROR_SPANS = ("token", "step")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Arm:
     oracle: bool = False
     spec: str = ""  # what `parse_arm` read (a worker process parses it again)
     lr: float | None = None
+    error_span: str = "token"
 
     def params(self, seed: int) -> CreditParams:
         return CreditParams(method=self.method, seed=seed, **dict(self.overrides))
@@ -115,6 +121,11 @@ def parse_arm(spec: str, name: str | None = None) -> Arm:
     lr = overrides.pop("lr", None)
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, int | float) or lr <= 0):
         raise ValueError(f"arm {spec!r}: lr must be a number > 0, got {lr!r}")
+    error_span = str(overrides.pop("error_span", "token"))
+    if error_span not in ERROR_SPANS:
+        raise ValueError(
+            f"arm {spec!r}: error_span must be one of {ERROR_SPANS}, got {error_span!r}"
+        )
     oracle = base == "oracle"  # `oracle_sharp` was mapped to `oracle@...` above
     method = "gear_token" if oracle else base
     if method not in METHODS:
@@ -128,7 +139,7 @@ def parse_arm(spec: str, name: str | None = None) -> Arm:
         raise ValueError(f"arm {spec!r}: unknown option(s) {unknown}; valid: {sorted(valid)}")
     arm = Arm(
         name, method, estimator, tuple(sorted(overrides.items())), oracle, original,
-        None if lr is None else float(lr),
+        None if lr is None else float(lr), error_span,
     )  # fmt: skip
     arm.params(0)  # validates the values now, not mid-grid
     return arm
@@ -175,12 +186,14 @@ def credit(
     temperature: float = 1.0,
     contrast_logits: Tensor | None = None,
     influence: Tensor | None = None,
+    group: int | None = None,
 ) -> Tensor:
     """(N, T) per-token advantages of `arm` through `gear.credit` (no gradient).
 
     `contrast_logits`: the contrast teacher's (a wrong hint), needed when the arm's
     `CreditParams.contrast` is on. `influence`: (N, T) `answer_influence`, for `oar_g` and
-    `oar_p` (its answer span: `oar_span`)."""
+    `oar_p` (its answer span: `oar_span`). `group`: rows per problem, each group's rows in a
+    row (None: a group is a run of equal problems), for `lambda_grpo`'s prefix tree."""
     mask = torch.ones_like(completions, dtype=torch.bool)
     params = arm.params(seed)
     answer_mask = None
@@ -204,9 +217,13 @@ def credit(
             raise ValueError(f"arm {arm.name!r}: contrast=true needs the contrast teacher's logits")
         contrast_kl = signals(contrast_logits).kl
     kl = sig.kl
-    error_mask = None
-    if "error_mask" in params.required_signals:  # first_error: the checker's step, as the oracle
-        error_mask = task.step_mask(task.first_wrong_step(problems, completions))
+    error_mask = prefix_count = None
+    if "error_mask" in params.required_signals:  # first_error: the checker's token or step
+        error_mask = error_token_or_step(task, problems, completions, arm.error_span)
+    if "prefix_count" in params.required_signals:
+        prefix_count = prefix_counts(completions, mask, group_labels(problems, group)).to(
+            advantages.dtype
+        )
     if arm.oracle:  # the first wrong step of failed rows only: a correct row stays plain GRPO
         wrong = task.step_mask(task.first_wrong_step(problems, completions)).float()
         kl = wrong * (advantages < 0).to(wrong.dtype)[:, None]
@@ -222,8 +239,33 @@ def credit(
         perturbation=influence if oar == "perturbation" else None,
         answer_mask=answer_mask,
         error_mask=error_mask,
+        prefix_count=prefix_count,
         params=params,
     )
+
+
+def error_token_or_step(
+    task: ChainTask, problems: Tensor, completions: Tensor, span: str = "token"
+) -> Tensor:
+    """(N, T) bool: each rollout's first wrong token (`ChainTask.first_error`: the first token
+    that differs from the one right solution), or with `span='step'` the 6 tokens of the step
+    that holds it; none in a flawless rollout."""
+    if span == "step":
+        return task.step_mask(task.first_wrong_step(problems, completions))
+    first = task.first_error(problems, completions)
+    cols = torch.arange(completions.shape[1], device=completions.device)
+    return (cols[None, :] == first[:, None]) & (first[:, None] >= 0)
+
+
+def group_labels(problems: Tensor, group: int | None) -> Tensor:
+    """(N,) group label of each row: rows // `group`, or (None) a new label wherever the problem
+    differs from the previous row's."""
+    n = problems.shape[0]
+    if group is not None:
+        return torch.arange(n, device=problems.device) // group
+    new = torch.ones(n, dtype=torch.long, device=problems.device)
+    new[1:] = (problems[1:] != problems[:-1]).any(dim=1).long()
+    return new.cumsum(0) - 1
 
 
 def oar_span(
@@ -360,7 +402,7 @@ def rl_step(
     influence = answer_influence(model, arm, task, rep, comp, scored=adv != 0)
     adv_tok = credit(
         arm, task, rep, comp, adv, logits, teacher, credit_seed, cfg.temperature, contrast,
-        influence,
+        influence, cfg.group,
     )  # fmt: skip
     loss = dapo_loss(logits, old_logp, comp, adv_tok.to(logits.dtype), cfg.epsilon, cfg.temperature)
     opt.zero_grad(set_to_none=True)

@@ -11,9 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_details
+from gear.credit.implicit import implicit_credit_stats, prefix_counts
 from gear.credit.signals import TEACHER_SIGNALS, without_teacher
 
 SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
@@ -39,6 +41,9 @@ def batch_credit(
     scored: Tensor | None = None,
     error_mask: Tensor | None = None,
     perturbation: Tensor | None = None,
+    completion_ids: Tensor | None = None,
+    completion_mask: Tensor | None = None,
+    group_size: int | None = None,
 ) -> CreditDetails:
     """`credit_details` of this process's rows, computed on the generation batch of all processes.
 
@@ -55,6 +60,11 @@ def batch_credit(
         error_mask: (B, T) bool, each row's first wrong step as a step checker places it
             (`first_error`), or None.
         perturbation: (B, T) this process's OAR-P influence (`oar_p`), or None.
+        completion_ids, completion_mask: (B, T) this process's completions, and `group_size`
+            the rows per prompt (TRL's `num_generations`: the gathered batch holds each group's
+            rows contiguously), or None: no group prefix tree. With them, `lambda_grpo` gets
+            its `prefix_count` and the stats gain `gear.credit.implicit.implicit_credit_stats`
+            (the credit GRPO gives through shared prefixes, beside the method's).
     """
     inputs: dict[str, Tensor | None] = {
         "valid": valid,
@@ -65,6 +75,8 @@ def batch_credit(
         "perturbation": perturbation,
         "answer_mask": answer_mask,
         "error_mask": error_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
     }
     world = accelerator.num_processes
     B, T = valid.shape
@@ -77,11 +89,35 @@ def batch_credit(
             else accelerator.gather(accelerator.pad_across_processes(v.float(), dim=1, pad_index=0))
             for k, v in inputs.items()
         }
-        for k in ("valid", "turn_starts", "answer_mask", "error_mask"):
+        for k in ("valid", "turn_starts", "answer_mask", "error_mask", "completion_mask"):
             inputs[k] = None if inputs[k] is None else inputs[k].bool()
+        if inputs["completion_ids"] is not None:
+            inputs["completion_ids"] = inputs["completion_ids"].long()
+    ids, ids_mask = inputs.pop("completion_ids"), inputs.pop("completion_mask")
+    tree = ids is not None and ids_mask is not None and group_size is not None
+    groups = None
+    if tree:  # the gathered batch: each prompt's group_size rows in a row
+        groups = torch.arange(ids.shape[0], device=ids.device) // group_size
+    counts = prefix_counts(ids, ids_mask, groups) if tree else None
+    valid_all = inputs.pop("valid")
     details = credit_details(
-        advantages, inputs.pop("valid"), **inputs, params=params, scored=scored
+        advantages,
+        valid_all,
+        **inputs,
+        prefix_count=counts if "prefix_count" in params.required_signals else None,
+        params=params,
+        scored=scored,
     )
+    if tree:
+        details.stats |= implicit_credit_stats(
+            ids,
+            ids_mask,
+            valid_all,
+            groups,
+            advantages,
+            details.token_advantages,
+            inputs["error_mask"],
+        )
     if world == 1:
         return details
     rows = slice(accelerator.process_index * B, (accelerator.process_index + 1) * B)

@@ -113,7 +113,10 @@ class GEARTrainer(GRPOTrainer):
     needs `step_checker(completion_text, ground_truth) -> (start, end) | None`: the characters
     of a completion's first wrong step (`gear.tasks.steps.StepChecker`; a task's
     `Task.step_checker`); the ground truth is the row's `ground_truth_column` value, or None
-    where the row has none.
+    where the row has none. Given with any other method, the checker places the errors for the
+    `gear/branch_*` diagnostics only. Every step also logs the group prefix tree's statistics
+    (`gear/prefix_*`, `gear/shared_sum_*`: `gear.credit.implicit`), and `credit_method=
+    'lambda_grpo'` divides each token's advantage by the rows of its group that share its prefix.
     """
 
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "gear"]
@@ -259,8 +262,9 @@ class GEARTrainer(GRPOTrainer):
         self._gear_answer_span = answer_span or final_answer_span
         self._gear_reference_text = reference_text or ground_truth_text
         self._gear_step_checker = step_checker
-        # inputs without a signal pass: OAR's influence has its own, a checker's mask needs none
-        own_pass = {"influence", "perturbation", "error_mask"}
+        # inputs without a signal pass: OAR's influence has its own, a checker's mask and the
+        # group prefix tree's counts (`batch_credit`) need none
+        own_pass = {"influence", "perturbation", "error_mask", "prefix_count"}
         self._needs_signals = self_distill or bool(set(requires) - own_pass)
         self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
         if self._needs_signals and (shapers := sampling_shapers(args)):
@@ -458,7 +462,9 @@ class GEARTrainer(GRPOTrainer):
                 perturbation = found
             else:
                 influence = found
-        if "error_mask" in self.credit_params.required_signals:
+        # a checker's mask: first_error's blame, and for any method where GRPO's implicit credit
+        # puts a failed row's blame (`gear/branch_*`)
+        if self._gear_step_checker is not None:
             error_mask = self._error_mask(inputs, output, valid, stats)
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
@@ -472,6 +478,9 @@ class GEARTrainer(GRPOTrainer):
             scored=scored,
             error_mask=error_mask,
             perturbation=perturbation,
+            completion_ids=output["completion_ids"],
+            completion_mask=output["completion_mask"],
+            group_size=self.num_generations if mode == "train" else self.num_generations_eval,
         )
         output["advantages"] = details.token_advantages.to(sequence_advantages.dtype)
         stats["gear/time_credit"] = time.perf_counter() - t0
@@ -753,8 +762,12 @@ class GEARTrainer(GRPOTrainer):
         scored: Tensor | None = None,
         error_mask: Tensor | None = None,
         perturbation: Tensor | None = None,
+        completion_ids: Tensor | None = None,
+        completion_mask: Tensor | None = None,
+        group_size: int | None = None,
     ) -> CreditDetails:
-        """`gear.credit.credit_details` of this process's rows, on the whole generation batch."""
+        """`gear.credit.credit_details` of this process's rows, on the whole generation batch,
+        with the group prefix tree's statistics (`batch_credit`)."""
         return batch_credit(
             self.accelerator,
             advantages,
@@ -767,6 +780,9 @@ class GEARTrainer(GRPOTrainer):
             scored,
             error_mask,
             perturbation,
+            completion_ids,
+            completion_mask,
+            group_size,
         )
 
     def _micro_batch(self, mode: str) -> int:

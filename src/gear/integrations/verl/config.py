@@ -352,6 +352,14 @@ def validate_verl_config(cfg: Any, check_files: bool = True) -> GearVerlSettings
             "which the verl integration does not pass yet (a checker runs on decoded text in "
             "the driver); use TRL's GEARTrainer, `gear train` or the gym for this method"
         )
+    if "prefix_count" in params.required_signals:
+        raise GearConfigError(
+            f"algorithm.adv_estimator={estimator!r}: lambda_grpo divides each token's advantage "
+            "by the rows of its group that share its prefix, which needs every row's response "
+            "token ids in the advantage estimator; verl's compute_advantage passes only rewards, "
+            "masks and uids, and GEAR's verl trainer does not forward the ids yet; use TRL's "
+            "GEARTrainer, `gear train` or the gym for this method"
+        )
     if params.contrast and "kl" not in params.required_signals:
         raise GearConfigError(
             f"gear.teacher_context: 'contrast' subtracts a second teacher's KL, and "
