@@ -85,6 +85,27 @@ def lora_model(seed: int) -> tuple[Any, Any]:
     return get_peft_model(model, lora_config(resolve_config(None, {}))), tok
 
 
+def train_sft(seed: int, steps: int, log: Any = print) -> tuple[Any, Any, list[float]]:
+    """Stage 0's SFT loop for `steps` steps without its checks: the LoRA model, its tokenizer and
+    the step losses. The checks change nothing training reads (a fixed data order, no dropout),
+    so this gives the weights `sft` had at that step on the same CPU class."""
+    model, tok = lora_model(seed)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    rows = task().dataset("train", n=max(CHECK_STEPS) * ROWS_PER_STEP, seed=seed)
+    losses = []
+    for s in range(steps):
+        part = rows.select(range(s * ROWS_PER_STEP, (s + 1) * ROWS_PER_STEP))
+        loss = model(**sft_batch(tok, part)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        log(f"seed {seed}: SFT step {s + 1}/{steps}, loss {losses[-1]:.4f}")
+    return model, tok, losses
+
+
 def sft_batch(tok: Any, rows: Any) -> dict[str, torch.Tensor]:
     """Prompt + worked solution + EOS per row, right-padded; labels only on the solution."""
     from studies.lm_recipe import right_padded

@@ -139,20 +139,7 @@ def checkpoint(seed: int = 0) -> dict[str, Any]:
     if (out / "adapter_model.safetensors").is_file():
         return checked(seed, step, recorded, original)
     t0, commit = time.time(), head_commit(ROOT)
-    model, tok = af.lora_model(seed)
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=af.LR)
-    rows = af.task().dataset("train", n=max(af.CHECK_STEPS) * af.ROWS_PER_STEP, seed=seed)
-    losses = []
-    for s in range(step):
-        part = rows.select(range(s * af.ROWS_PER_STEP, (s + 1) * af.ROWS_PER_STEP))
-        loss = model(**af.sft_batch(tok, part)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        print(f"seed {seed}: SFT step {s + 1}/{step}, loss {losses[-1]:.4f}", flush=True)
+    model, tok, losses = af.train_sft(seed, step, log=lambda m: print(m, flush=True))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     records().put(f"training-seed{seed}", {"loss": losses, "wall_s": time.time() - t0,
@@ -217,11 +204,20 @@ def launch(
     if not (checkpoint_dir(0) / "adapter_config.json").is_file():
         raise SystemExit("the checkpoint first: python -m studies.headroom checkpoint")
     cmd = compare_command(out, arms, seeds, only, lr)
+    run_piece(cmd, out, only, threads, RUNS / f"{out.name}-{only}.log", records())
+
+
+def run_piece(
+    cmd: list[str], out: Path, only: str, threads: int, log: Path, store: RecordStore
+) -> dict[str, Any]:
+    """Run the `gear compare` command `cmd` (training arm `only` of the study in `out`) at
+    `threads` threads, logged to `log`; the piece (start, end, wall seconds, exit code, commit,
+    CPU, the runs it resumes) is kept in `store` while it runs and when it ends."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
            # large blocks (an evaluation's KV cache) go back to the system when freed: two runs
            # held ~10 GB each without it, and the OOM killer took one (computes nothing else)
            "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # fmt: skip
-    log = RUNS / f"{out.name}-{only}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     piece = {"study": out.name, "arm": only, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
              "commit": head_commit(ROOT), "threads": threads,
              "capability": torch.backends.cpu.get_cpu_capability(), "command": cmd[2:]}  # fmt: skip
@@ -233,23 +229,26 @@ def launch(
     )
     t0 = time.time()
     piece["id"] = f"{out.name}-{only}-{int(t0)}"
-    put_piece(piece)  # kept while it runs: a piece killed with the session is still listed
+    put_piece(piece, store)  # kept while it runs: a piece killed with the session is still listed
     with log.open("a") as fh:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
     piece |= {"wall_s": time.time() - t0, "exit": rc}
-    put_piece(piece)
+    put_piece(piece, store)
     print(f"{out.name} {only}: exit {rc} after {piece['wall_s']:.0f} s (log {log})", flush=True)
+    return piece
 
 
-def put_piece(piece: dict[str, Any]) -> None:
-    """Add or update (by its id) one piece in the records."""
-    pieces = [p for p in records().get("pieces") or [] if p.get("id") != piece["id"]]
-    records().put("pieces", [*pieces, piece])
+def put_piece(piece: dict[str, Any], store: RecordStore | None = None) -> None:
+    """Add or update (by its id) one piece in the records (`store`, default this study's)."""
+    store = store or records()
+    pieces = [p for p in store.get("pieces") or [] if p.get("id") != piece["id"]]
+    store.put("pieces", [*pieces, piece])
 
 
-def finished(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
+def finished(out: Path, store: RecordStore | None = None) -> dict[str, dict[int, dict[str, Any]]]:
     """Arm -> seed -> the run's record (`gear.compare.run_record`, with its summary's CPU
-    capability, wall seconds and model identity) for every finished run in `out`."""
+    capability, wall seconds and model identity) for every finished run in `out`; `store`:
+    the records that list the study's pieces (default this study's)."""
     from gear import compare as study
 
     rule = study.read_rule(out)
@@ -257,7 +256,7 @@ def finished(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
         return {}
     resumed = {
         name
-        for p in records().get("pieces") or []
+        for p in (store or records()).get("pieces") or []
         if p.get("study") == out.name
         for name in p.get("resumes", [])
     }
