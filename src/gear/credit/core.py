@@ -3,15 +3,17 @@ non-finite rows, and summarise what happened (spec §5)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gear.credit import segments as seg
-from gear.credit.methods import METHODS, CreditInputs
 from gear.credit.params import CreditParams
+from gear.credit.registry import CONTRAST_KL, CREDIT_SIGNALS, MASK_SIGNALS, METHODS, CreditInputs
 
 
 @dataclass
@@ -99,7 +101,7 @@ def _inputs(
             raise ValueError(
                 f"CreditParams.contrast: credit method {params.method!r} uses no KL to contrast"
             )
-        requires = (*requires, "contrast_kl")
+        requires = (*requires, CONTRAST_KL)
     missing = [s for s in requires if signals.get(s) is None]
     if missing:
         what = f"credit method {params.method!r}" + (" with contrast" if params.contrast else "")
@@ -119,7 +121,7 @@ def _inputs(
         cast[name] = torch.where(torch.isfinite(value), value, 0.0)
     for name in requires:  # a fallback row carries no signal at all
         cast[name] = torch.where(fallback[:, None], 0.0, cast[name])  # type: ignore[arg-type]
-    contrast_kl = cast.pop("contrast_kl")
+    contrast_kl = cast.pop(CONTRAST_KL)
     if params.contrast:  # what this hint says beyond any hint: the excess over the contrast
         cast["kl"] = (cast["kl"] - contrast_kl).clamp(min=0.0)  # type: ignore[operator]
     inputs = CreditInputs(
@@ -188,19 +190,14 @@ def credit_details(
     Returns:
         `CreditDetails`. Rows whose needed signals are not finite on valid tokens get w = 1.
     """
+    given = dict(locals())  # first: the arguments alone, the signals among them (CREDIT_SIGNALS)
     params = params or CreditParams()
     skipped = _skipped_rows(scored, advantages, params)
-    signals = {
-        "kl": kl,
-        "entropy": entropy,
-        "student_logprobs": student_logprobs,
-        "teacher_logprobs": teacher_logprobs,
-        "contrast_kl": contrast_kl,
-        "influence": influence,
-        "perturbation": perturbation,
-        "error_mask": None if error_mask is None else _as_float_mask(error_mask, response_mask),
-        "prefix_count": _checked_counts(prefix_count, response_mask, scored),
-    }
+    signals: dict[str, Tensor | None] = {name: given[name] for name in CREDIT_SIGNALS}
+    for name in MASK_SIGNALS:
+        if signals[name] is not None:
+            signals[name] = _as_float_mask(name, signals[name], response_mask)
+    signals["prefix_count"] = _checked_counts(prefix_count, response_mask, scored)
     if skipped is not None:  # unscored rows carry no signal: 0, never a fallback
         skipped = skipped.to(advantages.device)
         signals = {
@@ -236,11 +233,11 @@ def credit_details(
     return details
 
 
-def _as_float_mask(mask: Tensor, response_mask: Tensor) -> Tensor:
+def _as_float_mask(name: str, mask: Tensor, response_mask: Tensor) -> Tensor:
     """A bool (or 0/1) (N, T) mask as float 0/1, checked like any mask, so it travels with the
     float signals (skipped rows, fallback)."""
     shape = tuple(response_mask.shape) if isinstance(response_mask, Tensor) else None
-    _check("error_mask", mask, shape or tuple(mask.shape), "bool")
+    _check(name, mask, shape or tuple(mask.shape), "bool")
     return mask.to(torch.float32)
 
 
@@ -285,42 +282,15 @@ def _skipped_rows(scored: Tensor | None, advantages: Tensor, params: CreditParam
     return skipped
 
 
-def token_advantages(
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    kl: Tensor | None = None,
-    entropy: Tensor | None = None,
-    turn_starts: Tensor | None = None,
-    student_logprobs: Tensor | None = None,
-    teacher_logprobs: Tensor | None = None,
-    contrast_kl: Tensor | None = None,
-    influence: Tensor | None = None,
-    perturbation: Tensor | None = None,
-    answer_mask: Tensor | None = None,
-    error_mask: Tensor | None = None,
-    prefix_count: Tensor | None = None,
-    params: CreditParams | None = None,
-    scored: Tensor | None = None,
-) -> Tensor:
-    """(N, T) per-token advantages of `params.method`; see `credit_details` for the arguments."""
-    return credit_details(
-        advantages,
-        response_mask,
-        kl=kl,
-        entropy=entropy,
-        turn_starts=turn_starts,
-        student_logprobs=student_logprobs,
-        teacher_logprobs=teacher_logprobs,
-        contrast_kl=contrast_kl,
-        influence=influence,
-        perturbation=perturbation,
-        answer_mask=answer_mask,
-        error_mask=error_mask,
-        prefix_count=prefix_count,
-        params=params,
-        scored=scored,
-    ).token_advantages
+def token_advantages(advantages: Tensor, response_mask: Tensor, **kwargs: Any) -> Tensor:
+    """(N, T) per-token advantages of `params.method`: `credit_details(...).token_advantages`,
+    with `credit_details`' arguments (its signature is this function's)."""
+    return credit_details(advantages, response_mask, **kwargs).token_advantages
+
+
+token_advantages.__signature__ = inspect.signature(credit_details).replace(  # type: ignore[attr-defined]
+    return_annotation="Tensor"
+)
 
 
 COUNT_STATS = ("gear/fallback_rows", "gear/rows_skipped")  # counts: defined on any batch

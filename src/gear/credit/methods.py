@@ -4,8 +4,11 @@ Each method is a small function `(CreditInputs, CreditParams) -> MethodOutput` r
 its name with the signals it needs and the rows whose signals it reads (`rows`): "advantaged"
 when a row's weights depend only on its own signals and on those of other rows with a non-zero
 advantage (the trainers then skip the teacher on tied rows, whose token advantages are 0 under
-any weights), "all" when it reads every row (a batch-wide ranking; the safe default). `gear.credit.token_advantages` validates the inputs, calls
-the method, applies the non-finite fallback and returns A_i * w_t on valid tokens.
+any weights), "all" when it reads every row (a batch-wide ranking; the safe default).
+`gear.credit.token_advantages` validates the inputs, calls the method, applies the non-finite
+fallback and returns A_i * w_t on valid tokens.
+The registry itself (`METHODS`, `register_method`, `CreditInputs`, `MethodOutput`, the signal
+names) is `gear.credit.registry`; its names are importable from here too.
 A new method is one decorated function::
 
     @register_method("my_method", requires=("kl",), rows="advantaged")
@@ -16,147 +19,24 @@ A new method is one decorated function::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from functools import cached_property
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from gear.credit import segments as seg
 from gear.credit.attribution import answer_span, masked_quantile, tokens_before
-
-if TYPE_CHECKING:
-    from gear.credit.params import CreditParams
-
-SIGNALS = (
-    "kl",
-    "entropy",
-    "student_logprobs",
-    "teacher_logprobs",
-    "influence",
-    "perturbation",
-    "error_mask",
-    "prefix_count",
+from gear.credit.params import CreditParams
+from gear.credit.registry import (  # the registry's names, importable from here as before
+    METHODS,
+    CreditInputs,
+    MethodOutput,
+    register_method,
 )
-#: which rows' signals a method reads: those with a non-zero advantage, or all of them
-ROWS = ("advantaged", "all")
-
-
-@dataclass
-class CreditInputs:
-    """Validated inputs of one batch, in float64 on one device.
-
-    Attributes:
-        advantages: (N,) sequence advantage A_i.
-        valid: (N, T) bool response mask.
-        kl, entropy, student_logprobs, teacher_logprobs: (N, T) float or None.
-        influence: (N, T) float or None, a token's influence on the final answer (OAR-G,
-            `gear.credit.attribution`).
-        perturbation: (N, T) float or None, how far the final answer moves when the token is
-            masked (OAR-P, `gear.credit.attribution.perturbation_influence`).
-        error_mask: (N, T) float 0/1 or None, the tokens of each row's first wrong step as a
-            step checker marks them (`first_error`; all 0 where it found none).
-        prefix_count: (N, T) float or None, how many rows of the row's group share its prefix
-            through each token (`gear.credit.implicit.prefix_counts`; `lambda_grpo`).
-        answer_mask: (N, T) bool or None, the final answer's tokens in the completion (OAR-G's
-            and OAR-P's span; None: each row's last `oar_answer_len` valid tokens).
-        turn_starts: (N, T) bool or None.
-    """
-
-    advantages: Tensor
-    valid: Tensor
-    kl: Tensor | None = None
-    entropy: Tensor | None = None
-    student_logprobs: Tensor | None = None
-    teacher_logprobs: Tensor | None = None
-    influence: Tensor | None = None
-    perturbation: Tensor | None = None
-    error_mask: Tensor | None = None
-    prefix_count: Tensor | None = None
-    answer_mask: Tensor | None = None
-    turn_starts: Tensor | None = None
-
-    @cached_property
-    def cont_start(self) -> Tensor:
-        """(N, T) bool, spec §2.1."""
-        return seg.continuation_starts(self.valid, self.turn_starts)
-
-    @cached_property
-    def kl_norm(self) -> Tensor:
-        """(N, T) normalised KL d~, spec §2.2."""
-        assert self.kl is not None
-        return seg.minmax_normalise(self.kl, self.valid)
-
-    @cached_property
-    def entropy_norm(self) -> Tensor:
-        """(N, T) normalised entropy H~, spec §2.2."""
-        assert self.entropy is not None
-        return seg.minmax_normalise(self.entropy, self.valid)
-
-    @cached_property
-    def sign(self) -> Tensor:
-        """(N, 1) sigma = sign(A_i)."""
-        return torch.sign(self.advantages)[:, None]
-
-
-@dataclass
-class MethodOutput:
-    """What a method returns. All (N, T).
-
-    weights: w_t (1 at invalid tokens). source: a_t or None. onsets: bool or None.
-    segment_ids: long (-1 = no segment) or None.
-    """
-
-    weights: Tensor
-    source: Tensor | None = None
-    onsets: Tensor | None = None
-    segment_ids: Tensor | None = None
-
-
-MethodFn = Callable[[CreditInputs, "CreditParams"], MethodOutput]
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    fn: MethodFn
-    requires: tuple[str, ...]
-    rows: str = "all"
-
-
-METHODS: dict[str, Method] = {}
-
-
-def register_method(
-    name: str, requires: tuple[str, ...] = (), rows: str = "all"
-) -> Callable[[MethodFn], MethodFn]:
-    """Register `fn` as credit method `name`, reading the signals `requires` of the rows `rows`
-    (`ROWS`); a second, different function under one name is an error."""
-    unknown = set(requires) - set(SIGNALS)
-    if unknown:
-        raise ValueError(
-            f"register_method({name!r}): unknown signals {sorted(unknown)}; valid: {SIGNALS}"
-        )
-    if rows not in ROWS:
-        raise ValueError(f"register_method({name!r}): rows: expected one of {ROWS}, got {rows!r}")
-
-    def decorator(fn: MethodFn) -> MethodFn:
-        old = METHODS.get(name)
-        same = old is not None and (old.fn.__module__, old.fn.__qualname__) == (
-            fn.__module__,
-            fn.__qualname__,
-        )
-        if old is not None and not same:
-            raise ValueError(
-                f"credit method {name!r} is already registered to {old.fn.__qualname__}"
-            )
-        METHODS[name] = Method(name, fn, tuple(requires), rows)
-        return fn
-
-    return decorator
-
+from gear.credit.registry import ROWS as ROWS
+from gear.credit.registry import SIGNALS as SIGNALS
+from gear.credit.registry import Method as Method
+from gear.credit.registry import MethodFn as MethodFn
 
 # --------------------------------------------------------------------------- shared steps 7-9
 

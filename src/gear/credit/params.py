@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from gear.credit.registry import METHODS
+
 MODULATIONS = ("linear", "exp")
 #: what OAR-G's phi scores (docs/spec.md, OAR-G): the completion's parsed final answer, the
 #: reference answer appended after the completion (the authors' way), or the last k tokens
@@ -136,8 +138,6 @@ class CreditParams:
     )
 
     def __post_init__(self) -> None:
-        from gear.credit.methods import METHODS  # local: it imports this module
-
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(
                 f"CreditParams.{name}: expected {expected}, got {getattr(self, name)!r}"
@@ -217,18 +217,14 @@ class CreditParams:
     def required_signals(self) -> tuple[str, ...]:
         """The per-token signals `method` reads (`random_shape`: those of its `shape_method`,
         whose weights it moves); `contrast` adds `contrast_kl` on top of these."""
-        from gear.credit.methods import METHODS
-
         name = self.shape_method if self.method == "random_shape" else self.method
         return METHODS[name].requires
 
     @property
     def signal_rows(self) -> str:
-        """Which rows' signals `method` reads (`gear.credit.methods.ROWS`): "advantaged" (rows
+        """Which rows' signals `method` reads (`gear.credit.registry.ROWS`): "advantaged" (rows
         with a non-zero sequence advantage; tied rows may go unscored) or "all"
         (`random_shape`: its `shape_method`'s)."""
-        from gear.credit.methods import METHODS
-
         name = self.shape_method if self.method == "random_shape" else self.method
         return METHODS[name].rows
 

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from gear.credit.registry import TEACHER_SIGNALS
+
 ESTIMATORS = ("full", "topk", "k1", "k3")
 KERNELS = ("auto", "chunk", "fold")
 DEFAULT_CHUNK = 256
-#: the signals that compare with the teacher (a row without ground truth has no teacher)
-TEACHER_SIGNALS = ("kl", "teacher_logprobs")
 
 
 @dataclass

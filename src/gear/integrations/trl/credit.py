@@ -16,9 +16,11 @@ from torch import Tensor
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals, credit_details
 from gear.credit.implicit import implicit_credit_stats, prefix_counts
-from gear.credit.signals import TEACHER_SIGNALS, without_teacher
+from gear.credit.registry import CONTRAST_KL, PASS_SIGNALS, TEACHER_SIGNALS
+from gear.credit.signals import without_teacher
 
-SIGNAL_NAMES = ("kl", "entropy", "student_logprobs", "teacher_logprobs")
+#: the signals of a `TokenSignals` (`gear.credit.registry.PASS_SIGNALS`)
+SIGNAL_NAMES = PASS_SIGNALS
 
 
 @dataclass
@@ -70,7 +72,7 @@ def batch_credit(
         "valid": valid,
         "turn_starts": turn_starts,
         **{k: None if signals is None else getattr(signals, k) for k in SIGNAL_NAMES},
-        "contrast_kl": getattr(signals, "contrast_kl", None),
+        CONTRAST_KL: getattr(signals, CONTRAST_KL, None),
         "influence": influence,
         "perturbation": perturbation,
         "answer_mask": answer_mask,

@@ -30,19 +30,16 @@ import torch
 from torch import Tensor
 
 from gear.credit import CreditDetails, CreditParams, credit_details
+from gear.credit.registry import CONTRAST_KL, PASS_SIGNALS
 from gear.integrations.verl.config import VERL_ESTIMATORS
 
-#: gear.credit signal name -> batch field name (in verl's batch / TransferQueue).
-SIGNAL_FIELDS: dict[str, str] = {
-    "kl": "gear_kl",
-    "entropy": "gear_entropy",
-    "student_logprobs": "gear_student_logprobs",
-    "teacher_logprobs": "gear_teacher_logprobs",
-}
+#: gear.credit signal name -> batch field name (in verl's batch / TransferQueue): "gear_" + the
+#: name, for each signal of the signal pass (`gear.credit.registry.PASS_SIGNALS`)
+SIGNAL_FIELDS: dict[str, str] = {name: f"gear_{name}" for name in PASS_SIGNALS}
 #: batch field of the contrast teacher's KL (``teacher_context: contrast``, `CreditParams.contrast`)
-CONTRAST_KL_FIELD = "gear_contrast_kl"
+CONTRAST_KL_FIELD = f"gear_{CONTRAST_KL}"
 #: every per-token field GEAR's pass may write: the signals and the contrast KL
-OUTPUT_FIELDS: dict[str, str] = {**SIGNAL_FIELDS, "contrast_kl": CONTRAST_KL_FIELD}
+OUTPUT_FIELDS: dict[str, str] = {**SIGNAL_FIELDS, CONTRAST_KL: CONTRAST_KL_FIELD}
 ESTIMATOR_MARK = "__gear_estimator__"
 
 
@@ -261,11 +258,7 @@ def gear_token_advantages(
     details = credit_details(
         seq_adv,
         mask,
-        kl=signals["kl"],
-        entropy=signals["entropy"],
-        student_logprobs=signals["student_logprobs"],
-        teacher_logprobs=signals["teacher_logprobs"],
-        contrast_kl=signals["contrast_kl"],
+        **signals,  # the signal pass's, by their gear.credit names (OUTPUT_FIELDS)
         params=params,
         scored=None if scored is None else scored.to(mask.device).bool(),
     )
