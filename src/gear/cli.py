@@ -5,6 +5,7 @@ gear train                                   # embedded SmolLM2 + arithmetic, GE
 gear train --method grpo --steps 20 --set learning_rate=2e-6
 gear train --resume runs/arithmetic-gear-seed0-...
 gear eval runs/arithmetic-gear-seed0-... --n 200
+gear eval runs/... --suite paper-math --data-dir DATA          # MATH-500, GSM8K, AIME beside the base
 gear inspect runs/arithmetic-gear-seed0-...
 gear compare --methods grpo --methods gear --seeds 0 --seeds 1 --seeds 2   # does gear beat grpo?
 gear compare --plan --effect 0.05                                          # seeds needed, from a pilot
@@ -293,10 +294,19 @@ def eval_(
         str | None, typer.Option(help="Task (default: the run's task, else arithmetic).")
     ] = None,
     split: Annotated[str, typer.Option(help="train | test")] = "test",
-    n: Annotated[int, typer.Option(help="Problems to evaluate.")] = 100,
-    samples: Annotated[int, typer.Option(help="Samples per problem (pass@k up to this).")] = 1,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    max_new_tokens: Annotated[int, typer.Option(help="Generation budget.")] = 128,
+    n: Annotated[int | None, typer.Option(help="Problems to evaluate [default: 100].")] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            help="Samples per problem (pass@k up to this) [default: 1; --suite: AIME's k, 32]."
+        ),
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="0 = greedy [default: 0; --suite: AIME's, 0.6].")
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Generation budget [default: 128; --suite: 1024].")
+    ] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts per batch.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of problem order and sampling.")] = 0,
     task_option: Annotated[
@@ -314,6 +324,25 @@ def eval_(
             "chat_template_kwargs={...} (default: the run's; {enable_thinking: false} for Qwen3).",
         ),
     ] = None,
+    suite: Annotated[
+        str | None,
+        typer.Option(help="Score a benchmark suite instead of --task: paper-math | paper-tools."),
+    ] = None,
+    data_dir: Annotated[
+        str | None,
+        typer.Option(envvar="GEAR_DATA_DIR", help="--suite: the directory holding its sets."),
+    ] = None,
+    suite_path: Annotated[
+        list[str] | None,
+        typer.Option("--suite-path", help="--suite: NAME=PATH, another copy of one set."),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="--suite: the first N problems of each set.")
+    ] = None,
+    base: Annotated[
+        str | None,
+        typer.Option(help="--suite: the model scored beside (default: a run's base model)."),
+    ] = None,
 ) -> None:
     """pass@1 / pass@k of a model or a run's final model on a task split (JSON + Markdown).
 
@@ -321,7 +350,24 @@ def eval_(
     complete checkpoint, and the output says which. Task options come as in `gear train`
     (`--set task_options='{path: data/math}'`) or one by one (`--task-option path=data/math`);
     prompts are rendered with the run's `chat_template_kwargs` unless `--set` gives others.
+
+    `--suite paper-math` scores MATH-500, GSM8K (greedy pass@1) and AIME24/25 (avg@k and pass@k,
+    k = --samples) from `--data-dir`, a run's model beside its base model, with 95% intervals,
+    into suite_paper-math.md / .json; the same command resumes a stopped suite (docs/usage.md).
     """
+    if suite is not None:
+        if task is not None or task_option or n is not None or split != "test":
+            _fail("--suite scores its own sets: --task, --task-option, --split and --n do not "
+                  "apply (--limit N takes the first N problems of each set)")  # fmt: skip
+        _eval_suite(target, suite, data_dir, suite_path, limit, base, samples, temperature,
+                    max_new_tokens, batch_size, seed, out, set_)  # fmt: skip
+        return
+    if limit is not None or base is not None or suite_path:
+        _fail("--limit, --base and --suite-path go with --suite (--n takes N problems of a task)")
+    n = 100 if n is None else n
+    samples = 1 if samples is None else samples
+    temperature = 0.0 if temperature is None else temperature
+    max_new_tokens = 128 if max_new_tokens is None else max_new_tokens
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -394,6 +440,56 @@ def eval_(
 
 
 EVAL_SET_KEYS = ("task_options", "chat_template_kwargs")  # the config keys gear eval reads
+
+
+def _eval_suite(target: str, name: str, data_dir: str | None, paths: list[str] | None,
+                limit: int | None, base: str | None, samples: int | None,
+                temperature: float | None, max_new_tokens: int | None, batch_size: int,
+                seed: int, out: Path | None, set_: list[str] | None) -> None:  # fmt: skip
+    """`gear eval --suite`: check everything before a model loads, then `gear.suite.run`."""
+    from gear import suite
+    from gear.inputs import evaluation_target
+
+    model_path, run_cfg, note = evaluation_target(target)
+    settings = _eval_settings(set_)
+    if "task_options" in settings:
+        _fail("--suite: --set task_options does not apply (each set has its own task)")
+    defaults = suite.Settings(name)
+    pairs = [pair.partition("=") for pair in paths or []]
+    for pair in paths or []:
+        if "=" not in pair:
+            _fail(f"--suite-path {pair!r}: expected NAME=PATH (NAME: math500, aime24, ...)")
+    try:
+        cfg = suite.Settings(
+            name,
+            data_dir=data_dir,
+            paths={k.strip(): v.strip() for k, _, v in pairs},
+            k=defaults.k if samples is None else samples,
+            temperature=defaults.temperature if temperature is None else temperature,
+            max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            limit=limit,
+            batch_size=batch_size,
+            seed=seed,
+            chat_template_kwargs=settings.get(
+                "chat_template_kwargs", (run_cfg.get("trainer") or {}).get("chat_template_kwargs")
+            ),
+        )
+        planned = suite.plan(cfg)  # every option and data file, before any model loads
+    except suite.SuiteError as e:
+        _fail(str(e))
+    if note:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    base = base or run_cfg.get("model")
+    out_dir = out or (Path(target) if Path(target).is_dir() else Path("."))  # as gear eval
+    try:
+        result = suite.run(model_path, cfg, out_dir, base, planned, log_stream=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        console.print("stopped: the same command continues from the benchmarks already scored")
+        raise typer.Exit(130) from None
+    console.print(suite.markdown(result), highlight=False, soft_wrap=True, markup=False)
+    console.print(f"wrote {out_dir / f'suite_{name}.json'} and .md", highlight=False)
 
 
 def _eval_settings(pairs: list[str] | None) -> dict[str, dict[str, Any]]:

@@ -162,8 +162,10 @@ def evaluate(
             )
             for row, completions in zip(batch, outs, strict=True):
                 correct = [task.is_correct(c, row["answer"]) for c in completions]
+                pid = _problem_id(row)
                 results.append(
                     {"answer": row["answer"], "completions": completions, "correct": correct}
+                    | ({"problem": pid} if pid is not None else {})
                 )
             if progress:
                 progress(min(start + batch_size, len(rows)), len(rows))
@@ -175,6 +177,12 @@ def evaluate(
         for k in ks
     }
     return EvalResult(task.name, split, len(results), samples, temperature, pass_at, results)
+
+
+def _problem_id(row: dict[str, Any]) -> Any:
+    """What names a problem in its set: its position in its file (`index`) or its `id` (BFCL),
+    so two models' scores on one set pair by problem; None where the task gives neither."""
+    return row.get("index", row.get("id"))
 
 
 def write_report(out_dir: Path, model: str, task: str, result: EvalResult) -> Path:
