@@ -89,3 +89,38 @@ def test_the_builtin_methods_are_registered_whichever_credit_module_comes_first(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) == len(reg.METHODS)
+
+
+def test_the_split_modules_keep_every_name_importable_from_where_it_was():
+    """`gear.credit.signals` keeps its public names after the kernels got their own modules
+    (`chunk`, `distill`), and `gear.credit.methods` the registry's (`registry`)."""
+    from gear.credit import methods, signals
+
+    for name in (
+        "DEFAULT_CHUNK",
+        "ESTIMATORS",
+        "KERNELS",
+        "LOGPROB_ESTIMATORS",
+        "TEACHER_SIGNALS",
+        "TokenSignals",
+        "reverse_kl_from_hidden",
+        "signals_from_hidden",
+        "signals_from_logits",
+        "signals_from_teacher_logprobs",
+        "use_fold",
+        "without_teacher",
+    ):
+        assert hasattr(signals, name), name
+    for name in (
+        "METHODS",
+        "ROWS",
+        "SIGNALS",
+        "STEP_SEEDED",
+        "CreditInputs",
+        "Method",
+        "MethodFn",
+        "MethodOutput",
+        "register_method",
+    ):
+        assert hasattr(methods, name), name
+    assert methods.METHODS is reg.METHODS and methods.CreditInputs is reg.CreditInputs

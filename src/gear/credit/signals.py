@@ -2,15 +2,15 @@
 log-probabilities of the sampled tokens, computed chunk by chunk so that at most one chunk of
 (chunk_size, V) logits per model exists at a time.
 
-Four entry points share one chunk loop (`_chunk_rows`):
+Four entry points share one chunk loop (`gear.credit.chunk.run_chunks`):
 - `signals_from_logits`: the caller already has (N, T, V) logits of both models.
 - `signals_from_hidden`: the caller has (N, T, H) final hidden states and the LM head; logits
   are formed per chunk and never for the whole batch. Without a teacher (`teacher_hidden=None`)
   only the student's entropy and log-probs are computed (methods such as `entropy_top`).
 - `signals_from_teacher_logprobs`: the student's hidden states and the teacher's log-probs only
   (a teacher scored by another engine, vLLM's prompt log-probs): estimators k1, k3 and topk.
-- `reverse_kl_from_hidden`: the differentiable KL(student || detached teacher) of the
-  self-distillation loss, one checkpointed chunk at a time.
+- `reverse_kl_from_hidden` (`gear.credit.distill`): the differentiable KL(student || detached
+  teacher) of the self-distillation loss, one checkpointed chunk at a time.
 
 Final-logit softcapping (`softcap=c`, Gemma 2/3) is applied to the LM head's output exactly as
 those models do, c * tanh(logits / c), before the temperature.
@@ -22,26 +22,54 @@ Estimators of the KL (`estimator=`):
 - "topk": exact on the student's top-k tokens plus one bucket holding the remaining mass.
 The entropy is always the full-vocabulary entropy of the student.
 
-Two kernels compute `signals_from_hidden` (`kernel=`): "chunk", the loop below (the CPU's:
+Two kernels compute `signals_from_hidden` (`kernel=`): "chunk", `gear.credit.chunk` (the CPU's:
 fastest there), and "fold", `gear.credit.fold` (the GPU's: one fused read of each float32 tile,
-a Triton kernel where Triton runs); "auto" picks by device and estimator.
+a Triton kernel where Triton runs); "auto" picks by device and estimator. This module holds the
+entry points and their checks; every name it had before the kernels got their own modules is
+still importable from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
+from gear.credit.chunk import (
+    DEFAULT_CHUNK,
+    ESTIMATORS,
+    bucket_kl,
+    check_options,
+    check_softcap,
+    chunk_rows,
+    log_softmax_,
+    mask_positions,
+    run_chunks,
+    scaled_float32,
+)
+from gear.credit.distill import reverse_kl_from_hidden
 from gear.credit.registry import TEACHER_SIGNALS
 
-ESTIMATORS = ("full", "topk", "k1", "k3")
 KERNELS = ("auto", "chunk", "fold")
-DEFAULT_CHUNK = 256
+
+# importable from here, as before the kernels had their own modules
+__all__ = [
+    "DEFAULT_CHUNK",
+    "ESTIMATORS",
+    "KERNELS",
+    "LOGPROB_ESTIMATORS",
+    "TEACHER_SIGNALS",
+    "TokenSignals",
+    "reverse_kl_from_hidden",
+    "signals_from_hidden",
+    "signals_from_logits",
+    "signals_from_teacher_logprobs",
+    "use_fold",
+    "without_teacher",
+]
 
 
 @dataclass
@@ -76,156 +104,6 @@ def without_teacher(
     }
 
 
-def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """Row-wise dot product of two (M, V) tensors without an (M, V) temporary. -> (M,)."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-
-
-def _scaled_float32(
-    logits: Tensor, temperature: float, owned: bool, softcap: float | None = None
-) -> Tensor:
-    """softcap(logits) / temperature in float32: in place when the logits are ours to spend,
-    else a copy."""
-    if logits.dtype != torch.float32:
-        logits, owned = logits.float(), True  # a fresh float32 copy
-    if softcap is not None:  # as Gemma 2/3: logits / c, tanh, * c
-        logits = logits.div_(softcap) if owned else logits / softcap
-        owned = True
-        logits.tanh_().mul_(softcap)
-    if not owned:
-        return logits * (1.0 / temperature)  # a fresh tensor; the caller's stays intact
-    return logits if temperature == 1.0 else logits.mul_(1.0 / temperature)
-
-
-def _log_softmax_(x: Tensor, scratch: Tensor) -> Tensor:
-    """x <- log_softmax(x) in place and scratch <- softmax(x); both (M, V) float32.
-
-    Unlike `torch.logsumexp`, allocates no (M, V) temporary."""
-    x.sub_(x.amax(dim=1, keepdim=True))
-    torch.exp(x, out=scratch)
-    total = scratch.sum(dim=1, keepdim=True)
-    scratch.div_(total)
-    return x.sub_(total.log_())
-
-
-def _chunk_signals(
-    s_logits: Tensor,
-    t_logits: Tensor | None,
-    ids: Tensor,
-    temperature: float,
-    estimator: str,
-    topk: int,
-    owned: bool = False,
-    softcap: float | None = None,
-) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
-    """Kernel on one chunk. s_logits, t_logits: (M, V) any float dtype (t_logits None: student
-    only); ids: (M,) long. `owned`: the logits are temporaries of ours and may be overwritten.
-
-    Returns kl, entropy, student log-prob, teacher log-prob, each (M,) float32 (kl and teacher
-    log-prob None without a teacher).
-    Holds three (M, V) float32 tensors at its peak: the two log-softmaxes (in the logits' own
-    storage when they are owned float32) and the student's probabilities.
-    """
-    logp_s = _scaled_float32(s_logits, temperature, owned, softcap)
-    p_s = torch.empty_like(logp_s)
-    logp_t = None
-    if t_logits is not None:
-        logp_t = _scaled_float32(t_logits, temperature, owned, softcap)
-        _log_softmax_(logp_t, scratch=p_s)
-    _log_softmax_(logp_s, scratch=p_s)  # p_s now holds the student's probabilities
-    lp_s = logp_s.gather(1, ids[:, None]).squeeze(1)
-    entropy = -_dot(p_s, logp_s)
-    if logp_t is None:
-        return None, entropy.clamp(min=0.0), lp_s, None
-    lp_t = logp_t.gather(1, ids[:, None]).squeeze(1)
-    if estimator == "full":
-        logp_t.neg_().add_(logp_s)  # log pi_S - log pi_T, in place
-        kl = _dot(p_s, logp_t)
-    elif estimator == "k1":
-        kl = lp_s - lp_t
-    elif estimator == "k3":
-        log_ratio = lp_t - lp_s
-        kl = log_ratio.exp() - 1.0 - log_ratio
-    else:  # topk: exact on the student's k most likely tokens, one bucket for the rest
-        idx = logp_s.topk(min(topk, logp_s.shape[1]), dim=1).indices
-        # the teacher's tail mass from its remaining logits (1 - sum(top) loses all precision
-        # when tiny)
-        tail_logq = logp_t.scatter(1, idx, -torch.inf).logsumexp(1)
-        kl = _bucket_kl(logp_s, idx, logp_t.gather(1, idx), tail_logq)
-    return kl, entropy.clamp(min=0.0), lp_s, lp_t
-
-
-def _bucket_kl(logp_s: Tensor, idx: Tensor, top_logq: Tensor, tail_logq: Tensor) -> Tensor:
-    """KL(pi_S || pi_T) of both distributions coarse-grained to the k tokens `idx` and one bucket
-    holding the rest (a lower bound of the full KL, exact when the bucket is empty).
-
-    logp_s: (M, V) float32 student log-probs; idx: (M, k) long; top_logq: (M, k) teacher
-    log-probs at idx; tail_logq: (M,) log of the teacher's mass outside idx. -> (M,)."""
-    top_logp = logp_s.gather(1, idx)
-    kl = (top_logp.exp() * (top_logp - top_logq)).sum(1)
-    tail_logp = logp_s.scatter(1, idx, -torch.inf).logsumexp(1)
-    tail = torch.where(tail_logp > -torch.inf, tail_logp.exp() * (tail_logp - tail_logq), 0.0)
-    return kl + tail
-
-
-def _validate(estimator: str, temperature: float, chunk_size: int) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator: expected one of {list(ESTIMATORS)}, got {estimator!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
-
-
-def _positions(mask: Tensor | None, shape: tuple[int, int]) -> Tensor | None:
-    """Flat indices of the positions to compute, or None for all of them."""
-    if mask is None:
-        return None
-    if tuple(mask.shape) != shape or mask.dtype != torch.bool:
-        raise ValueError(
-            f"mask: expected a bool tensor of shape {shape}, got {mask.dtype} {tuple(mask.shape)}"
-        )
-    return mask.reshape(-1).nonzero().squeeze(1)
-
-
-def _chunk_rows(total: int, chunk_size: int, positions: Tensor | None) -> Iterator[Tensor | slice]:
-    """The rows of each chunk: slices of [0, total), or of `positions` when given."""
-    for start in range(0, total, chunk_size):
-        stop = min(start + chunk_size, total)
-        yield slice(start, stop) if positions is None else positions[start:stop]
-
-
-def _run(
-    shape: tuple[int, int],
-    make_logits: Callable[[Tensor | slice], tuple[Tensor, Tensor | None]],  # rows -> (M, V)s
-    token_ids: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    estimator: str,
-    topk: int,
-    chunk_size: int,
-    owned: bool,
-    softcap: float | None = None,
-    teacher: bool = True,
-) -> TokenSignals:
-    N, T = shape
-    ids = token_ids.reshape(-1)
-    positions = _positions(mask, shape)
-    total = N * T if positions is None else positions.numel()
-    out = torch.zeros(4, N * T, dtype=torch.float32, device=ids.device)
-    for rows in _chunk_rows(total, chunk_size, positions):
-        s, t = make_logits(rows)
-        signals = _chunk_signals(s, t, ids[rows], temperature, estimator, topk, owned, softcap)
-        del s, t  # before the next chunk's logits exist
-        for i, v in enumerate(signals):
-            if v is not None:
-                out[i, rows] = v
-    kl, ent, lp_s, lp_t = (v.view(N, T) for v in out)
-    if not teacher:
-        kl = lp_t = None
-    return TokenSignals(kl=kl, entropy=ent, student_logprobs=lp_s, teacher_logprobs=lp_t)
-
-
 @torch.no_grad()
 def signals_from_logits(
     student_logits: Tensor,
@@ -252,7 +130,7 @@ def signals_from_logits(
     Returns:
         `TokenSignals`, each (N, T) float32.
     """
-    _validate(estimator, temperature, chunk_size)
+    check_options(estimator, temperature, chunk_size)
     if student_logits.shape != teacher_logits.shape or student_logits.dim() != 3:
         raise ValueError(
             f"teacher_logits: expected the student's (N, T, V) shape {tuple(student_logits.shape)}, "
@@ -262,16 +140,18 @@ def signals_from_logits(
     if tuple(token_ids.shape) != (N, T):
         raise ValueError(f"token_ids: expected shape {(N, T)}, got {tuple(token_ids.shape)}")
     s_flat, t_flat = student_logits.reshape(N * T, V), teacher_logits.reshape(N * T, V)
-    return _run(
-        (N, T),
-        lambda rows: (s_flat[rows], t_flat[rows]),
-        token_ids,
-        mask,
-        temperature,
-        estimator,
-        topk,
-        chunk_size,
-        owned=mask is not None,  # indexing with the mask's positions copies; slicing does not
+    return TokenSignals(
+        *run_chunks(
+            (N, T),
+            lambda rows: (s_flat[rows], t_flat[rows]),
+            token_ids,
+            mask,
+            temperature,
+            estimator,
+            topk,
+            chunk_size,
+            owned=mask is not None,  # indexing with the mask's positions copies; slicing does not
+        )
     )
 
 
@@ -313,8 +193,8 @@ def signals_from_hidden(
     Returns:
         `TokenSignals`, each (N, T) float32.
     """
-    _validate(estimator, temperature, chunk_size)
-    _validate_softcap(softcap)
+    check_options(estimator, temperature, chunk_size)
+    check_softcap(softcap)
     N, T, H, V = _student_shapes(student_hidden, lm_head_weight, token_ids)
     if teacher_hidden is not None:
         if teacher_hidden.dim() != 3 or teacher_hidden.shape[:2] != (N, T):
@@ -349,17 +229,19 @@ def signals_from_hidden(
         t = torch.nn.functional.linear(ht[rows], w_t, teacher_lm_head_bias)
         return s, t
 
-    return _run(
-        (N, T),
-        logits,
-        token_ids,
-        mask,
-        temperature,
-        estimator,
-        topk,
-        chunk_size,
-        owned=True,
-        softcap=softcap,
+    return TokenSignals(
+        *run_chunks(
+            (N, T),
+            logits,
+            token_ids,
+            mask,
+            temperature,
+            estimator,
+            topk,
+            chunk_size,
+            owned=True,
+            softcap=softcap,
+        )
     )
 
 
@@ -417,7 +299,7 @@ def _fold_signals(
     # H_t given, not -1: reshape cannot infer it for a batch of no rows
     ht = None if teacher_hidden is None else teacher_hidden.reshape(N * T, teacher_hidden.shape[2])
     ids = token_ids.reshape(-1)
-    positions = _positions(mask, (N, T))
+    positions = mask_positions(mask, (N, T))
     if positions is not None:
         hs, ids = hs[positions], ids[positions]
         ht = None if ht is None else ht[positions]
@@ -454,18 +336,20 @@ def _student_signals(
     N, T, H, _ = _student_shapes(student_hidden, lm_head_weight, token_ids)
     hs = student_hidden.reshape(N * T, H)
     w_s = lm_head_weight.to(hs.dtype)
-    return _run(
-        (N, T),
-        lambda rows: (F.linear(hs[rows], w_s, lm_head_bias), None),
-        token_ids,
-        mask,
-        temperature,
-        "full",
-        1,
-        chunk_size,
-        owned=True,
-        softcap=softcap,
-        teacher=False,
+    return TokenSignals(
+        *run_chunks(
+            (N, T),
+            lambda rows: (F.linear(hs[rows], w_s, lm_head_bias), None),
+            token_ids,
+            mask,
+            temperature,
+            "full",
+            1,
+            chunk_size,
+            owned=True,
+            softcap=softcap,
+            teacher=False,
+        )
     )
 
 
@@ -521,8 +405,8 @@ def signals_from_teacher_logprobs(
             f"estimator: expected one of {list(LOGPROB_ESTIMATORS)} with teacher log-probs "
             f"only ('full' needs the teacher's whole distribution), got {estimator!r}"
         )
-    _validate(estimator, temperature, chunk_size)
-    _validate_softcap(softcap)
+    check_options(estimator, temperature, chunk_size)
+    check_softcap(softcap)
     N, T = token_ids.shape
     for name, value in (
         ("teacher_logprobs", teacher_logprobs),
@@ -575,122 +459,21 @@ def _bucket_kl_from_hidden(
     mask: Tensor | None,
     softcap: float | None,
 ) -> Tensor:
-    """(N, T) `_bucket_kl` of the student's softmax (logits one chunk at a time) against the
+    """(N, T) `bucket_kl` of the student's softmax (logits one chunk at a time) against the
     teacher's log-probs at the (N, T, k) `topk_ids`; 0 outside `mask`."""
     N, T, H = student_hidden.shape
     k = topk_ids.shape[2]
     hs = student_hidden.reshape(N * T, H)
     w = lm_head_weight.to(hs.dtype)
     ids, logq = topk_ids.reshape(N * T, k), topk_logprobs.reshape(N * T, k).float()
-    positions = _positions(mask, (N, T))
+    positions = mask_positions(mask, (N, T))
     total = N * T if positions is None else positions.numel()
     kl = torch.zeros(N * T, dtype=torch.float32, device=hs.device)
-    for rows in _chunk_rows(total, chunk_size, positions):
-        logp_s = _scaled_float32(F.linear(hs[rows], w, lm_head_bias), temperature, True, softcap)
-        _log_softmax_(logp_s, scratch=torch.empty_like(logp_s))
+    for rows in chunk_rows(total, chunk_size, positions):
+        logp_s = scaled_float32(F.linear(hs[rows], w, lm_head_bias), temperature, True, softcap)
+        log_softmax_(logp_s, scratch=torch.empty_like(logp_s))
         top = logq[rows]
         # log(1 - sum of the top-k probabilities): the teacher's mass outside them
         tail_logq = torch.log(-torch.expm1(top.logsumexp(1).clamp(max=0.0)))
-        kl[rows] = _bucket_kl(logp_s, ids[rows], top, tail_logq)
+        kl[rows] = bucket_kl(logp_s, ids[rows], top, tail_logq)
     return kl.view(N, T)
-
-
-def _validate_softcap(softcap: float | None) -> None:
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap: expected None or a number > 0, got {softcap!r}")
-
-
-def _head_logp(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, softcap: float | None
-) -> Tensor:
-    """(M, V) float32 log pi from hidden states: head, softcap, temperature (differentiable)."""
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return (logits / temperature).log_softmax(-1)
-
-
-def _kl_chunk(
-    hs: Tensor,
-    ht: Tensor,
-    ws: Tensor,
-    bs: Tensor | None,
-    wt: Tensor,
-    bt: Tensor | None,
-    temperature: float,
-    softcap: float | None,
-) -> tuple[Tensor, Tensor]:
-    """KL(pi_S || pi_T) with gradient through the student, and the student entropy (detached)."""
-    logp_s = _head_logp(hs, ws, bs, temperature, softcap)
-    with torch.no_grad():
-        logp_t = _head_logp(ht, wt, bt, temperature, softcap)
-    p_s = logp_s.exp()
-    kl = (p_s * (logp_s - logp_t)).sum(-1)
-    entropy = -(p_s * logp_s).sum(-1)
-    return kl, entropy.detach()
-
-
-def reverse_kl_from_hidden(
-    student_hidden: Tensor,
-    teacher_hidden: Tensor,
-    lm_head_weight: Tensor,
-    *,
-    lm_head_bias: Tensor | None = None,
-    teacher_lm_head_weight: Tensor | None = None,
-    teacher_lm_head_bias: Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK,
-    softcap: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Full-vocabulary KL(pi_S || sg(pi_T)) at M positions, differentiable in the student.
-
-    The self-distillation (OPSD) loss. Logits exist one chunk at a time: each chunk runs under
-    activation checkpointing, so the backward recomputes its (chunk, V) logits instead of
-    keeping them.
-
-    Args:
-        student_hidden: (M, H), with gradient. teacher_hidden: (M, H_t) (detached here).
-        lm_head_weight: (V, H); lm_head_bias: (V,) or None (gradient flows into both).
-        teacher_lm_head_weight / teacher_lm_head_bias: a separate teacher head (V, H_t) / (V,),
-            or None to share the student's (detached for the teacher).
-        temperature, chunk_size, softcap: as in `signals_from_hidden`.
-    Returns:
-        (kl, entropy), each (M,) float32; the entropy is detached.
-    """
-    _validate("full", temperature, chunk_size)
-    _validate_softcap(softcap)
-    if student_hidden.dim() != 2 or teacher_hidden.dim() != 2:
-        raise ValueError(
-            f"student_hidden / teacher_hidden: expected (M, H) and (M, H_t), got "
-            f"{tuple(student_hidden.shape)} and {tuple(teacher_hidden.shape)}"
-        )
-    if teacher_hidden.shape[0] != student_hidden.shape[0]:
-        raise ValueError(
-            f"teacher_hidden: expected {student_hidden.shape[0]} rows (the student's), got "
-            f"{teacher_hidden.shape[0]}"
-        )
-    if teacher_lm_head_weight is None:
-        teacher_lm_head_weight, teacher_lm_head_bias = lm_head_weight, lm_head_bias
-    wt = teacher_lm_head_weight.detach()
-    bt = None if teacher_lm_head_bias is None else teacher_lm_head_bias.detach()
-    ht = teacher_hidden.detach()
-    kls, entropies = [], []
-    for rows in _chunk_rows(student_hidden.shape[0], chunk_size, None):
-        kl, entropy = checkpoint(
-            _kl_chunk,
-            student_hidden[rows],
-            ht[rows],
-            lm_head_weight,
-            lm_head_bias,
-            wt,
-            bt,
-            temperature,
-            softcap,
-            use_reentrant=False,
-        )
-        kls.append(kl)
-        entropies.append(entropy)
-    if not kls:
-        empty = student_hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(kls), torch.cat(entropies)
