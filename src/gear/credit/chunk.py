@@ -10,6 +10,7 @@ chunk; `bucket_kl` the "topk" estimator's coarse-grained KL. The estimators are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -77,13 +78,18 @@ def chunk_signals(
         log_softmax_(logp_t, scratch=p_s)
     log_softmax_(logp_s, scratch=p_s)  # p_s now holds the student's probabilities
     lp_s = logp_s.gather(1, ids[:, None]).squeeze(1)
-    entropy = -_dot(p_s, logp_s)
     if logp_t is None:
-        return None, entropy.clamp(min=0.0), lp_s, None
+        return None, _entropy(p_s, logp_s), lp_s, None
     lp_t = logp_t.gather(1, ids[:, None]).squeeze(1)
     if estimator == "full":
         logp_t.neg_().add_(logp_s)  # log pi_S - log pi_T, in place
+        # a token of student probability 0 (a -inf logit: a masked or padded vocabulary) adds
+        # 0 whatever the teacher gives it: its -inf, or NaN (-inf - -inf), becomes 0; the +inf
+        # of a token the teacher alone masks stays (no NaN arises otherwise: a NaN logit makes
+        # the model's whole row NaN, the teacher's kept below)
+        logp_t.nan_to_num_(nan=0.0, posinf=math.inf, neginf=0.0)
         kl = _dot(p_s, logp_t)
+        kl = torch.where(lp_t.isnan(), lp_t, kl)
     elif estimator == "k1":
         kl = lp_s - lp_t
     elif estimator == "k3":
@@ -95,7 +101,16 @@ def chunk_signals(
         # when tiny)
         tail_logq = logp_t.scatter(1, idx, -torch.inf).logsumexp(1)
         kl = bucket_kl(logp_s, idx, logp_t.gather(1, idx), tail_logq)
-    return kl, entropy.clamp(min=0.0), lp_s, lp_t
+    return kl, _entropy(p_s, logp_s), lp_s, lp_t
+
+
+def _entropy(p: Tensor, logp: Tensor) -> Tensor:
+    """(M,) -sum p log p of (M, V) probabilities and their log-probabilities; overwrites `logp`
+    (the last use of it). A token of probability 0 (a -inf log-probability: a masked or padded
+    vocabulary) adds 0, not 0 * -inf = NaN: its log-probability becomes the least float, in
+    place, and 0 times it is 0."""
+    logp.clamp_(min=torch.finfo(logp.dtype).min)  # NaN stays NaN
+    return (-_dot(p, logp)).clamp(min=0.0)
 
 
 def bucket_kl(logp_s: Tensor, idx: Tensor, top_logq: Tensor, tail_logq: Tensor) -> Tensor:
@@ -105,7 +120,8 @@ def bucket_kl(logp_s: Tensor, idx: Tensor, top_logq: Tensor, tail_logq: Tensor) 
     logp_s: (M, V) float32 student log-probs; idx: (M, k) long; top_logq: (M, k) teacher
     log-probs at idx; tail_logq: (M,) log of the teacher's mass outside idx. -> (M,)."""
     top_logp = logp_s.gather(1, idx)
-    kl = (top_logp.exp() * (top_logp - top_logq)).sum(1)
+    # a top token of student probability 0 (masked: k above the unmasked count) adds 0
+    kl = torch.where(top_logp == -torch.inf, 0.0, top_logp.exp() * (top_logp - top_logq)).sum(1)
     tail_logp = logp_s.scatter(1, idx, -torch.inf).logsumexp(1)
     tail = torch.where(tail_logp > -torch.inf, tail_logp.exp() * (tail_logp - tail_logq), 0.0)
     return kl + tail

@@ -95,17 +95,23 @@ if triton is not None:
             zs = _z(tl.load(s_ptr + row * stride + cols, mask=inside, other=0.0), inv_t,
                     softcap, HAS_SOFTCAP)  # fmt: skip
             new_m = tl.maximum(m_s, tl.max(tl.where(inside, zs, -float("inf")), axis=0))
-            rescale = tl.exp(m_s - new_m)
-            es = tl.where(inside, tl.exp(zs - new_m), 0.0)
+            # masked tokens (z = -inf) add 0: shift by a finite max (-inf - -inf is NaN) and
+            # drop e^-inf * -inf (NaN), as `_fold_torch` does
+            shift = tl.where(new_m == -float("inf"), 0.0, new_m)
+            rescale = tl.exp(m_s - shift)
+            es = tl.where(inside, tl.exp(zs - shift), 0.0)
+            masked = zs == -float("inf")
             sum_s = sum_s * rescale + tl.sum(es, axis=0)
-            zs_sum = zs_sum * rescale + tl.sum(es * zs, axis=0)
+            zs_sum = zs_sum * rescale + tl.sum(tl.where(masked, 0.0, es * zs), axis=0)
             if HAS_TEACHER:
                 zt = _z(tl.load(t_ptr + row * stride + cols, mask=inside, other=0.0), inv_t,
                         softcap, HAS_SOFTCAP)  # fmt: skip
-                gap_sum = gap_sum * rescale + tl.sum(es * (zs - zt), axis=0)
+                gap = tl.where(masked, 0.0, es * (zs - zt))
+                gap_sum = gap_sum * rescale + tl.sum(gap, axis=0)
                 new_mt = tl.maximum(m_t, tl.max(tl.where(inside, zt, -float("inf")), axis=0))
-                et = tl.where(inside, tl.exp(zt - new_mt), 0.0)
-                sum_t = sum_t * tl.exp(m_t - new_mt) + tl.sum(et, axis=0)
+                shift_t = tl.where(new_mt == -float("inf"), 0.0, new_mt)
+                et = tl.where(inside, tl.exp(zt - shift_t), 0.0)
+                sum_t = sum_t * tl.exp(m_t - shift_t) + tl.sum(et, axis=0)
                 m_t = new_mt
             m_s = new_m
         tl.store(stats_ptr + row, m_s)
@@ -131,7 +137,11 @@ def _fold_torch(
     inv_t: float,
     softcap: float | None,
 ) -> None:
-    """`_fold_kernel` in torch over the whole (n, v) tile: stats (8, n) updated in place."""
+    """`_fold_kernel` in torch over the whole (n, v) tile: stats (8, n) updated in place.
+
+    A masked token (a -inf logit, z = -inf: a masked or padded vocabulary, whole tiles of it
+    included) adds nothing: e^(z - m) = 0 and its products with z and z_S - z_T, 0 * -inf and
+    0 * NaN, are taken as 0 (a NaN logit still shows: its e^(z - m) makes the sum NaN)."""
     m_s, sum_s, zs_sum, gap_sum, m_t, sum_t, pick_s, pick_t = stats
     here = (ids >= col0) & (ids < col0 + s.shape[1])
     col = torch.where(here, ids - col0, 0)[:, None]
@@ -140,17 +150,27 @@ def _fold_torch(
         pick_t.copy_(torch.where(here, t.gather(1, col).squeeze(1), pick_t))
     zs = _z_torch(s, inv_t, softcap)
     new_m = torch.maximum(m_s, zs.amax(1))
-    rescale = torch.exp(m_s - new_m)
-    es = torch.exp(zs - new_m[:, None])
+    shift = _finite(new_m)
+    rescale = torch.exp(m_s - shift)
+    es = torch.exp(zs - shift[:, None])
+    masked = zs == -math.inf
     sum_s.mul_(rescale).add_(es.sum(1))
-    zs_sum.mul_(rescale).add_((es * zs).sum(1))
+    zs_sum.mul_(rescale).add_(torch.where(masked, 0.0, es * zs).sum(1))
     if t is not None:
         zt = _z_torch(t, inv_t, softcap)
-        gap_sum.mul_(rescale).add_((es * (zs - zt)).sum(1))
+        gap_sum.mul_(rescale).add_(torch.where(masked, 0.0, es * (zs - zt)).sum(1))
         new_mt = torch.maximum(m_t, zt.amax(1))
-        sum_t.mul_(torch.exp(m_t - new_mt)).add_(torch.exp(zt - new_mt[:, None]).sum(1))
+        shift_t = _finite(new_mt)
+        sum_t.mul_(torch.exp(m_t - shift_t)).add_(torch.exp(zt - shift_t[:, None]).sum(1))
         m_t.copy_(new_mt)
     m_s.copy_(new_m)
+
+
+def _finite(m: Tensor) -> Tensor:
+    """The running max as the shift of e^(z - m): 0 where it is still -inf (every token so far
+    masked, z = -inf: a masked or padded vocabulary), where -inf - -inf would be NaN; their
+    e^(z - 0) = 0 all the same. NaN stays NaN."""
+    return torch.where(m == -math.inf, 0.0, m)
 
 
 def _project(out: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
