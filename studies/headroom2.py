@@ -19,6 +19,7 @@ they run, as amendments would be if anything in the rule changed.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,17 @@ def model_dir() -> Path:
     return ROOT / regime()["model"]
 
 
+def saved_model() -> Path:
+    """Where the starting adapter is committed (a new session's runs/ has none)."""
+    return ROOT / "studies" / "results" / "headroom2" / model_dir().name
+
+
 def model_record() -> dict[str, Any]:
-    """The starting model's content hash, recorded once (every run records its own too)."""
+    """The starting model's content hash, recorded once (every run records its own too); the
+    adapter is committed beside the records and put back under runs/ where missing."""
     path = model_dir()
+    if not (path / "adapter_model.safetensors").is_file() and saved_model().is_dir():
+        shutil.copytree(saved_model(), path, dirs_exist_ok=True)
     kept = records().get("model")
     if kept is None:
         if not (path / "adapter_model.safetensors").is_file():
@@ -85,6 +94,7 @@ def model_record() -> dict[str, Any]:
                              f"--regime {regime()['regime']} rebuilds it")  # fmt: skip
         kept = {"path": str(path.relative_to(ROOT)), "sha256": content_hash(path)}
         records().put("model", kept)
+        shutil.copytree(path, saved_model(), dirs_exist_ok=True)
     elif content_hash(path) != kept["sha256"]:
         raise SystemExit(f"{path}: its weights are not the recorded starting model's")
     return kept

@@ -275,7 +275,8 @@ def table(data: dict[str, Any]) -> str:
         lambda r: r["grpo"]["gear/prefix_rows_mean"],
         "{:.2f}",
     )
-    row("failed rows placed by the checker", lambda r: r.get("placed"), "{:.0f}")
+    row("failed rows (A < 0)", lambda r: r.get("failed_rows"), "{:.0f}")
+    row("... placed by the checker", lambda r: r.get("placed"), "{:.0f}")
     row("... with a successful sibling", lambda r: r["grpo"].get("gear/branch_rows"), "{:.0f}")
     for rel in ("before", "at", "after"):
         row(
