@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "regime":
         print({k: v for k, v in regime().items() if k != "numbers"})
     elif args.cmd == "lr":
-        train(lr_dir(args.lr), ("grpo",), [LR_SEED], "grpo", args.lr, args.threads)
+        # gear compare's rule needs two arms: the rate's study holds the pilot's, trains grpo only
+        train(lr_dir(args.lr), PILOT_ARMS, [LR_SEED], "grpo", args.lr, args.threads)
     elif args.cmd == "choose-lr":
         print(choose_lr())
     elif args.cmd == "pilot":
