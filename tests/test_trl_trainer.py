@@ -65,16 +65,20 @@ def test_a_step_of_every_method_changes_parameters_and_logs_metrics(tmp_path, to
     expected = ("gear/kl_mean", "gear/entropy_mean") if mode == "self_distill" else SPEC_METRICS
     # a signal the method never computes has no mean: None in the logs, never 0
     unmeasured = {"grpo": ("gear/kl_mean", "gear/entropy_mean"), "entropy_top": ("gear/kl_mean",)}
-    unmeasured["oar_g"] = unmeasured["oar_p"] = unmeasured["first_error"] = unmeasured["grpo"]
+    no_pass = ("grpo", "oar_g", "oar_p", "first_error", "lambda_grpo")  # no signal pass
+    for name in no_pass[1:]:
+        unmeasured[name] = unmeasured["grpo"]
     for key in expected:
         assert key in logs, key
         none = key in unmeasured.get(mode, ())
         assert (logs[key] is None) if none else math.isfinite(logs[key]), key
-    if mode not in ("grpo", "self_distill", "oar_g", "oar_p", "first_error"):  # no signal pass
+    if mode not in (*no_pass, "self_distill"):
         assert logs["gear/entropy_mean"] > 0
         assert set(logs) >= TIMINGS
-    if mode not in ("grpo", "self_distill", "entropy_top", "oar_g", "oar_p", "first_error"):
+    if mode not in (*no_pass, "self_distill", "entropy_top"):
         assert logs["gear/kl_mean"] > 0
+    if mode != "self_distill":  # the group prefix tree, whatever the method (issue 67)
+        assert 0 <= logs["gear/prefix_shared_frac"] <= 1 and logs["gear/prefix_rows_mean"] >= 1
     if mode == "oar_g":  # no teacher, no signal pass: its own influence pass
         assert trainer.teacher_model is None and not trainer._needs_signals
         assert logs["gear/time_influence"] > 0 and "gear/time_teacher" not in logs
