@@ -561,16 +561,23 @@ def restore() -> list[str]:
     if ck and content_hash(checkpoint_dir(0)) != ck["sha256"]:
         raise SystemExit(f"{checkpoint_dir(0)}: its weights are not the recorded checkpoint's")
     for name, path in studies():
-        copy = COPIES / name
-        if not (copy / "rule.json").is_file():
-            continue
-        path.mkdir(parents=True, exist_ok=True)
-        if not (path / "rule.json").is_file():
-            shutil.copyfile(copy / "rule.json", path / "rule.json")
-        for run in sorted(p for p in copy.glob("*-seed*") if p.is_dir()):
-            if not (path / run.name / "summary.json").is_file():
-                shutil.copytree(run, path / run.name, dirs_exist_ok=True)
-                done.append(str(path / run.name))
+        done += restore_runs(COPIES / name, path)
+    return done
+
+
+def restore_runs(copy: Path, path: Path) -> list[str]:
+    """Put a study's kept rule and finished runs (`keep`'s `copy`) back into `path` where
+    missing, so `gear compare` skips those runs; returns the runs put back."""
+    done: list[str] = []
+    if not (copy / "rule.json").is_file():
+        return done
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "rule.json").is_file():
+        shutil.copyfile(copy / "rule.json", path / "rule.json")
+    for run in sorted(p for p in copy.glob("*-seed*") if p.is_dir()):
+        if not (path / run.name / "summary.json").is_file():
+            shutil.copytree(run, path / run.name, dirs_exist_ok=True)
+            done.append(str(path / run.name))
     return done
 
 

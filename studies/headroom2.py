@@ -9,6 +9,8 @@ resumes where it stopped; `gear compare` trains every run (`gear train`, the pat
     python -m studies.headroom2 choose-lr        # the larger held-out gain: every arm's rate
     python -m studies.headroom2 pilot --arm grpo # the pilot, one process per arm (seeds 100-102)
     python -m studies.headroom2 pilot --arm oracle
+    python -m studies.headroom2 keep             # finished runs' records -> studies/results/
+    python -m studies.headroom2 restore          # a new session: them and the adapter back
     python -m studies.headroom2 status
 
 The pilot's plan, stage A and stage B follow the rule and reuse `studies.headroom`'s analysis
@@ -33,6 +35,7 @@ RULE = "docs/evidence/2026-12-02-headroom2-rule.md"
 RECORDS = ROOT / "studies" / "results" / "headroom2_runs"
 RUNS = ROOT / "runs" / "headroom2"
 RECIPE_FILE = ROOT / "studies" / "headroom2_recipe.yaml"  # frozen: the rule's recipe
+COPIES = ROOT / "studies" / "results" / "headroom2"  # what is committed of the runs
 SHARP = "credit_modulation=exp,credit_beta=5,credit_w_min=0,credit_w_max=100"
 ARMS = {  # name -> gear compare's --methods value
     "grpo": "grpo",
@@ -78,7 +81,7 @@ def model_dir() -> Path:
 
 def saved_model() -> Path:
     """Where the starting adapter is committed (a new session's runs/ has none)."""
-    return ROOT / "studies" / "results" / "headroom2" / model_dir().name
+    return COPIES / model_dir().name
 
 
 def model_record() -> dict[str, Any]:
@@ -140,6 +143,26 @@ def choose_lr() -> dict[str, Any]:
     return out
 
 
+def studies() -> list[Path]:
+    """Every study directory of the rule, in the order they run."""
+    return [*map(lr_dir, LR_CANDIDATES), RUNS / "pilot", RUNS / "study"]
+
+
+def keep() -> None:
+    """Each study's rule, report and finished runs' record files (no checkpoints) into
+    studies/results/headroom2/, which is committed (`restore` puts them back)."""
+    for path in studies():
+        if (path / "rule.json").is_file():
+            runs = headroom.finished(path, records())
+            headroom.keep(path, COPIES / path.name, runs)
+
+
+def restore() -> list[str]:
+    """A new session: the committed starting adapter and finished runs back under runs/."""
+    model_record()
+    return [run for path in studies() for run in headroom.restore_runs(COPIES / path.name, path)]
+
+
 def core_hours() -> float:
     """Core-hours so far: every piece's wall seconds x its threads."""
     pieces = records().get("pieces") or []
@@ -167,9 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     sub.add_parser("choose-lr")
     sub.add_parser("regime")
+    sub.add_parser("keep")
+    sub.add_parser("restore")
     sub.add_parser("status")
     args = ap.parse_args(argv)
-    if args.cmd == "regime":
+    if args.cmd == "keep":
+        keep()
+    elif args.cmd == "restore":
+        print("\n".join(restore()) or "nothing to restore")
+    elif args.cmd == "regime":
         print({k: v for k, v in regime().items() if k != "numbers"})
     elif args.cmd == "lr":
         # gear compare's rule needs two arms: the rate's study holds the pilot's, trains grpo only
