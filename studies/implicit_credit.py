@@ -75,6 +75,7 @@ def measure(regime: str) -> dict[str, Any]:
     """One regime's statistics (module docstring)."""
     from gear.credit import CreditParams, credit_details, signals_from_hidden
     from gear.credit.implicit import implicit_credit_stats, prefix_counts
+    from gear.gym.train import group_advantages
     from gear.models import load_model_and_tokenizer
     from gear.spans import error_token_mask
     from gear.tasks.arithmetic import ArithmeticTask
@@ -129,7 +130,7 @@ def measure(regime: str) -> dict[str, Any]:
             pad[key][i, : len(r)] = src[i].double()
     group_ids = torch.tensor(groups)
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, GROUP)
-    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
+    adv = group_advantages(r.view(-1), GROUP)
     checker = task.step_checker()
     error = None if checker is None else error_token_mask(tok, ids, mask, checker, truths) & mask
     counts = prefix_counts(ids, mask, group_ids)
@@ -168,7 +169,7 @@ def gym_regime() -> dict[str, Any]:
     from gear.credit.implicit import implicit_credit_stats, prefix_counts
     from gear.gym.model import ModelConfig, WarmStart, build_model, cache_dir, sample, warm_start
     from gear.gym.task import ChainTask
-    from gear.gym.train import eval_problems, group_advantages
+    from gear.gym.train import error_token_or_step, eval_problems, group_advantages
 
     t0, commit = time.time(), head_commit(ROOT)
     torch.set_num_threads(1)
@@ -184,9 +185,7 @@ def gym_regime() -> dict[str, Any]:
     rewards = task.rewards(problems, comp)
     adv = group_advantages(rewards, GROUP).double()
     mask = torch.ones_like(comp, dtype=torch.bool)
-    first = task.first_error(problems, comp)
-    cols = torch.arange(comp.shape[1])
-    error = (cols[None] == first[:, None]) & (first[:, None] >= 0)
+    error = error_token_or_step(task, problems, comp, "token")
     group_ids = torch.arange(len(comp)) // GROUP
     r = rewards.view(-1, GROUP)
     out: dict[str, Any] = {

@@ -12,7 +12,8 @@ tree is bounded by the group size; no Python loop over tokens or rows):
 - `implicit_credit_stats`: the per-batch diagnostics GEARTrainer logs as ``gear/prefix_*``,
   ``gear/branch_*`` and ``gear/shared_sum_*``.
 
-Shapes: N rows, T completion columns, right-padded; a row's group is `group_ids[i]` (rows need
+Every function takes the group tree `common_prefix_lengths` returns as `tree` where the caller
+already has it (it is the costly part). Shapes: N rows, T completion columns, right-padded; a row's group is `group_ids[i]` (rows need
 not be contiguous). `mask` is the completion's attention mask: a row's prefix through t is its
 tokens 0..t, and two rows share it when those ids are equal and both rows still have token t.
 """
@@ -39,7 +40,7 @@ def _grouped(group_ids: Tensor) -> tuple[Tensor, Tensor, int, int]:
     return group, slot, int(counts.numel()), int(counts.max()) if len(counts) else 0
 
 
-def common_prefix_lengths(ids: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
+def common_prefix_lengths(ids: Tensor, mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
     """(N, G) long: `lcp[i, k]`, how many leading tokens row i shares with the k-th row of its
     group (itself included: its own length; -1 for an empty slot of a smaller group), and the
     (N, G) long row index of that k-th row (-1 for an empty slot), as a pair.
@@ -59,14 +60,16 @@ def common_prefix_lengths(ids: Tensor, mask: Tensor, group_ids: Tensor) -> Tenso
     return lcp[group, slot], member[group]
 
 
-def prefix_counts(ids: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
+def prefix_counts(
+    ids: Tensor, mask: Tensor, group_ids: Tensor, tree: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
     """(N, T) long: c[i, t], the rows of row i's group (itself included) whose first t + 1
     tokens equal row i's; 0 where row i has no token t (`mask` false).
 
     Args:
         ids: (N, T) completion token ids; mask: (N, T) bool, the completion's tokens
             (right-padded); group_ids: (N,) any integer label per group."""
-    lcp, _ = common_prefix_lengths(ids, mask, group_ids)  # (N, G)
+    lcp, _ = tree or common_prefix_lengths(ids, mask, group_ids)  # (N, G)
     N, T = ids.shape
     # c[i, t] = #{k : lcp[i, k] > t}: a histogram of lcp, summed from the right
     hist = torch.zeros(N, T + 2, dtype=torch.long, device=ids.device)
@@ -76,11 +79,17 @@ def prefix_counts(ids: Tensor, mask: Tensor, group_ids: Tensor) -> Tensor:
     return torch.where(mask.bool(), counts, 0)
 
 
-def branch_points(ids: Tensor, mask: Tensor, group_ids: Tensor, success: Tensor) -> Tensor:
+def branch_points(
+    ids: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    success: Tensor,
+    tree: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """(N,) long: the column where each row departs from its nearest successful sibling (the
     longest common prefix with another row of its group that succeeded); -1 where its group
     has no other successful row. A row that is a copy of a successful sibling gets its length."""
-    lcp, member = common_prefix_lengths(ids, mask, group_ids)
+    lcp, member = tree or common_prefix_lengths(ids, mask, group_ids)
     N = ids.shape[0]
     ok = member >= 0
     sibling = ok & (member != torch.arange(N, device=ids.device)[:, None])
@@ -89,12 +98,18 @@ def branch_points(ids: Tensor, mask: Tensor, group_ids: Tensor, success: Tensor)
     return best
 
 
-def shared_node_sums(ids: Tensor, mask: Tensor, group_ids: Tensor, token_adv: Tensor) -> Tensor:
+def shared_node_sums(
+    ids: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    token_adv: Tensor,
+    tree: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """(N, T) float: at each token, the sum over the rows that share its prefix (itself
     included) of their token advantages at t: GRPO's update on that prefix node is this sum
     (their per-token gradients are equal). 0 where `mask` is false."""
     T = ids.shape[1]
-    lcp, member = common_prefix_lengths(ids, mask, group_ids)  # (N, G)
+    lcp, member = tree or common_prefix_lengths(ids, mask, group_ids)  # (N, G)
     pos = torch.arange(T, device=ids.device)
     shares = lcp[:, :, None] > pos  # (N, G, T): the k-th row shares i's prefix through t
     adv = token_adv[member.clamp(min=0)]  # (N, G, T)
@@ -134,7 +149,8 @@ def implicit_credit_stats(
         'after' rows: the tokens GRPO spreads a failed row's blame over beyond its error).
     """
     valid = valid.bool() & mask.bool()
-    counts = prefix_counts(ids, mask, group_ids)
+    tree = common_prefix_lengths(ids, mask, group_ids)  # once for every statistic below
+    counts = prefix_counts(ids, mask, group_ids, tree)
     n = int(valid.sum())
     nan = math.nan
     stats = {
@@ -149,8 +165,8 @@ def implicit_credit_stats(
     weight = torch.where(node, 1.0 / counts.clamp(min=1).double(), 0.0)  # each node once
     nodes = float(weight.sum())
     if nodes > 0:
-        s_grpo = shared_node_sums(ids, mask, group_ids, grpo_tok)
-        s_method = shared_node_sums(ids, mask, group_ids, method_tok)
+        s_grpo = shared_node_sums(ids, mask, group_ids, grpo_tok, tree)
+        s_method = shared_node_sums(ids, mask, group_ids, method_tok, tree)
         abs_grpo = float((weight * s_grpo.abs()).sum()) / nodes
         abs_method = float((weight * s_method.abs()).sum()) / nodes
         diff = float((weight * (s_method - s_grpo).abs()).sum()) / nodes
@@ -165,18 +181,23 @@ def implicit_credit_stats(
             nan,
         )
     if error_mask is not None:
-        stats |= branch_stats(ids, mask, group_ids, advantages, error_mask & valid)
+        stats |= branch_stats(ids, mask, group_ids, advantages, error_mask & valid, tree)
     return stats
 
 
 def branch_stats(
-    ids: Tensor, mask: Tensor, group_ids: Tensor, advantages: Tensor, error_mask: Tensor
+    ids: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    advantages: Tensor,
+    error_mask: Tensor,
+    tree: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, float]:
     """``gear/branch_*`` of `implicit_credit_stats`: where each failed row's first error token
     (the first True of `error_mask`) lies relative to its branch point from its nearest
     successful sibling (`branch_points`)."""
     failed = advantages < 0
-    branch = branch_points(ids, mask, group_ids, advantages > 0)
+    branch = branch_points(ids, mask, group_ids, advantages > 0, tree)
     placed = error_mask.bool().any(dim=1)
     error = error_mask.to(torch.uint8).argmax(dim=1)
     rows = failed & placed & (branch >= 0)

@@ -100,13 +100,14 @@ def batch_credit(
     groups = None
     if tree:  # the gathered batch: each prompt's group_size rows in a row
         groups = torch.arange(ids.shape[0], device=ids.device) // group_size
-    counts = prefix_counts(ids, ids_mask, groups) if tree else None
+    lambda_grpo = "prefix_count" in params.required_signals
+    counts = prefix_counts(ids, ids_mask, groups) if tree and lambda_grpo else None
     valid_all = inputs.pop("valid")
     details = credit_details(
         advantages,
         valid_all,
         **inputs,
-        prefix_count=counts if "prefix_count" in params.required_signals else None,
+        prefix_count=counts,
         params=params,
         scored=scored,
     )
