@@ -339,17 +339,26 @@ def plan() -> dict[str, Any]:
 def choose_lr() -> dict[str, Any]:
     """Amendment 1: GRPO's held-out gain (after - before, seed `LR_SEED`) at each candidate rate;
     the larger gain is every arm's rate (ties: the larger rate). Reads GRPO only. Kept as `lr`."""
-    gains = {}
-    for lr in LR_CANDIDATES:
-        r = finished(lr_dir(lr)).get("grpo", {}).get(LR_SEED)
-        if r is None:
-            raise SystemExit(f"learning rate {lr:g}: GRPO seed {LR_SEED} has not finished")
-        gains[lr] = metric(r) - metric(r, "before")
-    chosen, gain = max(gains.items(), key=lambda kv: (kv[1], kv[0]))
-    out = {"seed": LR_SEED, "gain": {f"{lr:g}": g for lr, g in gains.items()},
-           "chosen": chosen, "chosen_gain": gain, "learns": gain > 0}  # fmt: skip
+    out = rate_by_grpo_gain(LR_CANDIDATES, LR_SEED, lr_dir, records())
+    out["learns"] = out["chosen_gain"] > 0
     records().put("lr", out)
     return out
+
+
+def rate_by_grpo_gain(
+    candidates: tuple[float, ...], seed: int, study_dir: Any, store: RecordStore
+) -> dict[str, Any]:
+    """GRPO's held-out gain (after - before) of seed `seed` at each candidate rate (its study in
+    `study_dir(lr)`), and the rate with the larger gain (ties: the larger rate)."""
+    gains = {}
+    for lr in candidates:
+        r = finished(study_dir(lr), store).get("grpo", {}).get(seed)
+        if r is None:
+            raise SystemExit(f"learning rate {lr:g}: GRPO seed {seed} has not finished")
+        gains[lr] = metric(r) - metric(r, "before")
+    chosen, gain = max(gains.items(), key=lambda kv: (kv[1], kv[0]))
+    return {"seed": seed, "gain": {f"{lr:g}": g for lr, g in gains.items()},
+            "chosen": chosen, "chosen_gain": gain}  # fmt: skip
 
 
 def fits_stage_b(n: int) -> dict[str, Any]:

@@ -130,15 +130,7 @@ def train(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: flo
 def choose_lr() -> dict[str, Any]:
     """GRPO's held-out gain (after - before, seed `LR_SEED`) at each candidate rate; the larger
     gain is every arm's rate (ties: the larger rate). Reads GRPO only. Kept as `lr`."""
-    gains = {}
-    for lr in LR_CANDIDATES:
-        r = headroom.finished(lr_dir(lr), records()).get("grpo", {}).get(LR_SEED)
-        if r is None:
-            raise SystemExit(f"learning rate {lr:g}: GRPO seed {LR_SEED} has not finished")
-        gains[lr] = headroom.metric(r) - headroom.metric(r, "before")
-    chosen, gain = max(gains.items(), key=lambda kv: (kv[1], kv[0]))
-    out = {"seed": LR_SEED, "gain": {f"{lr:g}": g for lr, g in gains.items()},
-           "chosen": chosen, "chosen_gain": gain}  # fmt: skip
+    out = headroom.rate_by_grpo_gain(LR_CANDIDATES, LR_SEED, lr_dir, records())
     records().put("lr", out)
     return out
 
