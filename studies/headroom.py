@@ -339,20 +339,19 @@ def plan() -> dict[str, Any]:
 def choose_lr() -> dict[str, Any]:
     """Amendment 1: GRPO's held-out gain (after - before, seed `LR_SEED`) at each candidate rate;
     the larger gain is every arm's rate (ties: the larger rate). Reads GRPO only. Kept as `lr`."""
-    out = rate_by_grpo_gain(LR_CANDIDATES, LR_SEED, lr_dir, records())
+    out = rate_by_grpo_gain(LR_CANDIDATES, LR_SEED, lambda lr: finished(lr_dir(lr)))
     out["learns"] = out["chosen_gain"] > 0
     records().put("lr", out)
     return out
 
 
-def rate_by_grpo_gain(
-    candidates: tuple[float, ...], seed: int, study_dir: Any, store: RecordStore
-) -> dict[str, Any]:
-    """GRPO's held-out gain (after - before) of seed `seed` at each candidate rate (its study in
-    `study_dir(lr)`), and the rate with the larger gain (ties: the larger rate)."""
+def rate_by_grpo_gain(candidates: tuple[float, ...], seed: int, runs_at: Any) -> dict[str, Any]:
+    """GRPO's held-out gain (after - before) of seed `seed` at each candidate rate (`runs_at(lr)`:
+    that rate's study's finished runs, as `finished` gives them), and the rate with the larger
+    gain (ties: the larger rate)."""
     gains = {}
     for lr in candidates:
-        r = finished(study_dir(lr), store).get("grpo", {}).get(seed)
+        r = runs_at(lr).get("grpo", {}).get(seed)
         if r is None:
             raise SystemExit(f"learning rate {lr:g}: GRPO seed {seed} has not finished")
         gains[lr] = metric(r) - metric(r, "before")

@@ -130,7 +130,9 @@ def train(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: flo
 def choose_lr() -> dict[str, Any]:
     """GRPO's held-out gain (after - before, seed `LR_SEED`) at each candidate rate; the larger
     gain is every arm's rate (ties: the larger rate). Reads GRPO only. Kept as `lr`."""
-    out = headroom.rate_by_grpo_gain(LR_CANDIDATES, LR_SEED, lr_dir, records())
+    out = headroom.rate_by_grpo_gain(
+        LR_CANDIDATES, LR_SEED, lambda lr: headroom.finished(lr_dir(lr), records())
+    )
     records().put("lr", out)
     return out
 
