@@ -225,7 +225,7 @@ def credit(
             advantages.dtype
         )
     if arm.oracle:  # the first wrong step of failed rows only: a correct row stays plain GRPO
-        wrong = task.step_mask(task.first_wrong_step(problems, completions)).float()
+        wrong = error_token_or_step(task, problems, completions, "step").float()
         kl = wrong * (advantages < 0).to(wrong.dtype)[:, None]
     return token_advantages(
         advantages,
