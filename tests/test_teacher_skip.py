@@ -159,7 +159,18 @@ def _credit_batch(draw):
     signals["student_logprobs"] = -signals["student_logprobs"]
     signals["teacher_logprobs"] = -signals["teacher_logprobs"]
     signals["error_mask"] = torch.rand(n, t, generator=g) < 0.3  # first_error's (a bool mask)
+    signals["prefix_count"] = torch.randint(1, n + 1, (n, t), generator=g).double()  # lambda_grpo
     return advantages, valid, turn_starts, signals, g
+
+
+@settings(max_examples=3, deadline=None)
+@given(batch=_credit_batch())
+def test_the_skip_batch_carries_every_signal_a_method_reads(batch):
+    """The property below samples every method: a signal missing from its batch fails only when
+    hypothesis happens to draw that method (CI once drew `lambda_grpo` without `prefix_count`)."""
+    signals = batch[3]
+    missing = {m: set(METHODS[m].requires) - set(signals) for m in METHODS}
+    assert not any(missing.values()), missing
 
 
 @settings(max_examples=30, deadline=None)
