@@ -132,7 +132,8 @@ def run(
     from trl import GRPOConfig, GRPOTrainer
 
     from gear.config import resolve_values, trainer_args
-    from gear.run import build_trainer, lora_config
+    from gear.preflight import lora_config
+    from gear.run import build_trainer
     from gear.tasks import get_task
 
     task = get_task("arithmetic")

@@ -78,7 +78,7 @@ def lora_model(seed: int) -> tuple[Any, Any]:
 
     from gear.config import resolve_config
     from gear.models import load_model_and_tokenizer
-    from gear.run import lora_config
+    from gear.preflight import lora_config
 
     model, tok = load_model_and_tokenizer("smollm2", dtype=torch.float32)
     torch.manual_seed(seed)

@@ -228,7 +228,7 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
     from gear.config import resolve_config
     from gear.evaluate import cached_eval_before, evaluate_now
     from gear.models import load_model_and_tokenizer
-    from gear.run import lora_config
+    from gear.preflight import lora_config
     from gear.tasks import get_task
 
     name = run_name("control", setting, "sft", seed)

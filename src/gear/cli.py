@@ -249,7 +249,7 @@ def train(
         else:
             cfg = resolve_config(config, _overrides(set_, **named))
         if dry_run:
-            _dry_run(cfg)
+            _dry_run(cfg, resume, resume is not None)
             return
         run_dir = run_train(cfg, run_dir=resume, resume=resume is not None, console=console)
     except RunStopped as e:
@@ -263,18 +263,15 @@ def train(
     )
 
 
-def _dry_run(cfg: Any) -> None:
-    """Everything `gear train` checks before loading a model, then the resolved config."""
+def _dry_run(cfg: Any, run_dir: Path | None, resume: bool) -> None:
+    """Everything `gear train` checks before loading a model (`gear.preflight`), then the
+    resolved config."""
     import yaml
 
-    from gear.config import check_task_method, default_run_dir, run_precision, trainer_args
-    from gear.tasks import get_task
+    from gear.preflight import preflight
 
-    task = get_task(cfg.task, **cfg.task_options)
-    check_task_method(cfg, task)
-    precision = run_precision(cfg)
-    run_dir = Path(cfg.output_dir or default_run_dir(cfg))
-    trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
+    pre = preflight(cfg, run_dir, resume=resume)
+    precision, run_dir = pre.precision, pre.run_dir
     resolved = dataclasses.asdict(cfg)
     console.print(yaml.safe_dump(resolved, sort_keys=False), highlight=False, markup=False)
     console.print(
@@ -701,6 +698,7 @@ def compare(
 
     from gear import compare as study
     from gear.config import resolve_config, resume_config
+    from gear.preflight import preflight
     from gear.run import train as run_train
     from gear.run_callbacks import RunStopped
 
@@ -735,9 +733,9 @@ def compare(
         if baseline not in arms:
             raise ValueError(f"--baseline {baseline}: not one of the arms {list(arms)}")
         first = resolve_config(config, {**base, **arms[baseline], "seed": seeds[0]})
-        for arm, values in arms.items():  # every arm's config checked before anything is written
+        for values in arms.values():  # every arm's config checked before anything is written
             cfg = resolve_config(config, {**base, **values, "seed": seeds[0]})
-            study.check_config(cfg, out / study.run_name(arm, seeds[0]))
+            preflight(cfg)  # as `gear train` checks it before its model loads
         rule = study.make_rule(
             methods, baseline, seeds, first, config=config, overrides=base, effect=effect
         )

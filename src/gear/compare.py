@@ -124,20 +124,6 @@ def parse_arms(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
     return arms
 
 
-def check_config(cfg: Any, run_dir: Path) -> None:
-    """What `gear train` checks of a run's config before it loads a model (the task, the
-    precision, the trainer's fields, LoRA), for every arm before the study's first run; writes
-    nothing. A ValueError (or NotImplementedError) names what is wrong."""
-    from gear.config import check_task_method, run_precision, trainer_args
-    from gear.run import lora_config
-    from gear.tasks import get_task
-
-    task = get_task(cfg.task, **cfg.task_options)
-    check_task_method(cfg, task)
-    trainer_args(cfg, Path(run_dir), hint_kind=task.hint_kind, precision=run_precision(cfg))
-    lora_config(cfg)
-
-
 def check_out(out: Path) -> None:
     """A ValueError where `out` cannot be a study's directory: it is a file, or lies under one."""
     out = Path(out)

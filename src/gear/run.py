@@ -47,7 +47,6 @@ import yaml
 
 from gear._moved import moved
 from gear.evidence import write_text
-from gear.inputs import InputError, read_json, resume_checkpoint
 
 if TYPE_CHECKING:
     from gear.config import RunConfig
@@ -65,7 +64,8 @@ __getattr__ = moved(
     __name__,
     dict.fromkeys(_CONFIG.split(), "gear.config")
     | dict.fromkeys(_EVALUATE.split(), "gear.evaluate")
-    | dict.fromkeys(_STOPS.split(), "gear.run_callbacks"),
+    | dict.fromkeys(_STOPS.split(), "gear.run_callbacks")
+    | dict.fromkeys(("lora_config", "SUMMARY_TODO"), "gear.preflight"),
 )
 
 
@@ -73,37 +73,22 @@ __getattr__ = moved(
 
 
 def load_model_and_data(cfg: RunConfig, task: Any) -> tuple[Any, Any, Any]:
-    """A run's model (loaded after seeding torch with `cfg.seed`), its tokenizer as `task`
-    needs it, and its training set (`cfg.train_size` rows in the order of `cfg.seed`)."""
+    """A run's model and tokenizer (`load_model`) and its training set (`cfg.train_size` rows
+    in the order of `cfg.seed`)."""
+    model, tokenizer = load_model(cfg, task)
+    return model, tokenizer, task.dataset("train", n=cfg.train_size, seed=cfg.seed)
+
+
+def load_model(cfg: RunConfig, task: Any) -> tuple[Any, Any]:
+    """A run's model (loaded after seeding torch with `cfg.seed`) and its tokenizer as `task`
+    needs it."""
     import torch
 
     from gear.models import load_model_and_tokenizer
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(cfg.model)
-    tokenizer = task.prepare_tokenizer(tokenizer)
-    return model, tokenizer, task.dataset("train", n=cfg.train_size, seed=cfg.seed)
-
-
-def lora_config(cfg: RunConfig) -> Any:
-    """The PEFT `LoraConfig` of a run (`lora_r` > 0): every linear layer but the LM head, scale
-    `lora_alpha` (2 x rank by default); None for full fine-tuning."""
-    if not cfg.lora_r:
-        return None
-    try:
-        from peft import LoraConfig
-    except ImportError as e:
-        raise ValueError(
-            f"lora_r={cfg.lora_r} needs PEFT (`pip install peft`); or set lora_r=0 for full "
-            f"fine-tuning ({e})"
-        ) from None
-    return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r,
-        lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear",
-        task_type="CAUSAL_LM",
-    )
+    return model, task.prepare_tokenizer(tokenizer)
 
 
 def build_trainer(
@@ -186,25 +171,14 @@ def _say(console: Any, message: str) -> None:
         console.print(message, highlight=False, soft_wrap=True)
 
 
-SUMMARY_TODO = (
-    "restore it from a copy, or remove it: the run then scores the model before training "
-    "again (its recorded training time is lost)"
-)
-
-
 def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any) -> Path:
     import torch
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.config import (
-        PRECISION_KEY,
-        check_resume_steps,
-        check_task_method,
-        run_precision,
-        trainer_args,
-    )
+    from gear.config import PRECISION_KEY
     from gear.evaluate import EvalCallback, cached_eval_before, evaluate_now, store_eval_before
     from gear.models import model_identity
+    from gear.preflight import preflight
     from gear.run_callbacks import (
         MetricsFile,
         ProgressCallback,
@@ -214,31 +188,15 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         target_steps,
         truncate_run_logs,
     )
-    from gear.tasks import get_task
 
-    if resume and not run_dir.is_dir():
-        raise ValueError(f"--resume: run directory {run_dir} does not exist")
-    if not resume and (run_dir / "config.yaml").is_file():
-        raise ValueError(
-            f"{run_dir} already holds a run; continue it with `gear train --resume {run_dir}`, "
-            f"or give a new run another --output-dir"
-        )
-    # validate everything that can be wrong before anything is written
-    task = get_task(cfg.task, **cfg.task_options)
-    check_task_method(cfg, task)
-    precision = run_precision(cfg)
-    args = trainer_args(cfg, run_dir, hint_kind=task.hint_kind, precision=precision)
-    peft_config = lora_config(cfg)
-    checkpoint = resume_checkpoint(run_dir) if resume else None  # checked: never a damaged one
-    if resume:
-        check_resume_steps(args.max_steps, run_dir)
-    summary_file = run_dir / "summary.json"
-    summary = read_json(summary_file, SUMMARY_TODO) if summary_file.is_file() else {}
-    if not isinstance(summary, dict):
-        raise InputError(summary_file, "not a JSON object", SUMMARY_TODO)
+    # everything that can be wrong is found before anything is written or any model loads
+    pre = preflight(cfg, run_dir, resume=resume)
+    task, precision, args, checkpoint, summary = (
+        pre.task, pre.precision, pre.args, pre.checkpoint, pre.summary
+    )  # fmt: skip
     start_step = checkpoint_step(checkpoint)
     _say(console, f"precision: {precision.name} ({precision.reason}; {precision.capability})")
-    model, tokenizer, train_ds = load_model_and_data(cfg, task)
+    model, tokenizer = load_model(cfg, task)
     run_dir.mkdir(parents=True, exist_ok=True)
     # the config as asked for (bf16: auto stays auto, resolved again on resume); the choice made
     # on this machine is recorded beside it
@@ -274,7 +232,9 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     if cfg.eval_every and cfg.eval_n:
         callbacks.append(EvalCallback(task, cfg, tokenizer, console, stop))
     callbacks.append(stop)  # last: it sees a signal that came during a periodic evaluation
-    trainer = build_trainer(args, model, tokenizer, task, train_ds, callbacks, peft_config)
+    trainer = build_trainer(
+        args, model, tokenizer, task, pre.train_dataset, callbacks, pre.peft_config
+    )
     if console is not None:  # the progress display and metrics.jsonl replace TRL's printed dicts
         trainer.remove_callback(PrinterCallback)
     trained = checkpoint is not None and start_step >= target_steps(args, checkpoint)
