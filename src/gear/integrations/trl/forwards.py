@@ -340,6 +340,24 @@ def loss_prefix_blocker(model: nn.Module, width: int, n_tail: int) -> str | None
     return prefix_sharing_blocker(model, width)
 
 
+def loss_prompts_shareable(
+    model: nn.Module, width: int, logits_to_keep: int, args: tuple, kwargs: dict
+) -> bool:
+    """Whether TRL's log-prob pass over (B, `width`) rows, called with its extra `args` /
+    `kwargs`, may share the rows' prompts (`shared_prompt_logps`): text only (no other model
+    input), no auxiliary loss, and no `loss_prefix_blocker`."""
+    text_only = not args and all(
+        kwargs.get(k) is None
+        for k in kwargs
+        if k not in ("batch_size", "compute_entropy", "compute_aux_loss")
+    )
+    return (
+        text_only
+        and not kwargs.get("compute_aux_loss", False)
+        and loss_prefix_blocker(model, width, logits_to_keep + 1) is None
+    )
+
+
 def projection_dtype(accelerator: Any, weight: Tensor) -> torch.dtype:
     """bfloat16 when the run trains in bf16 mixed precision, else the LM head's own dtype."""
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else weight.dtype

@@ -1,11 +1,24 @@
 """`GEARTrainer`: TRL's GRPO trainer whose sequence advantages become GEAR token advantages.
 
-Only TRL overrides and the orchestration of one batch live here (spec §1-5): the student states
-come from `states.StudentStates`, the forwards and signal kernels from `forwards.Forwards`
-(built once here), the frozen / EMA teacher from `teacher_model`, the teacher prompts from
-`prompts` (`gear.teacher`), the credit of the batch from `credit` (`gear.credit`), the OPSD
-loss from `self_distill`, logging from `records`. This is the only module that knows
-`GEARTrainer`: the others take TRL's `GRPOTrainer`, a `Forwards`, or plain values.
+Only TRL overrides and the orchestration of one batch live here (spec §1-5): the refusals at
+construction come from `checks`, the scoring passes (signals, teacher, influence, a checker's
+mask) and the batch they fill (`CreditBatch`) from `passes`, the student states from
+`states.StudentStates`, the forwards and signal kernels from `forwards.Forwards` (built once
+here), the frozen / EMA teacher from `teacher_model`, the teacher prompts from `prompts`
+(`gear.teacher`), the credit of the batch from `credit` (`gear.credit`), the OPSD loss from
+`self_distill`, logging from `records`. This is the only module that knows `GEARTrainer`: the
+others take TRL's `GRPOTrainer`, the trainer as a plain object, a `Forwards`, or plain values.
+
+Seams: private methods that tests, benchmarks and scripts patch or call, kept as methods and
+called through `self`, so a patch on the trainer (or the class) reaches every pass
+(docs/trl.md, "Seams"): `_generate_and_score_completions` (one batch, end to end),
+`_teacher_inputs` / `_teacher_prompts` (the teacher's prompts), `_token_signals` (the signal
+pass), `_teacher_pass` (one teacher forward), `_final_hidden` (every signal forward),
+`_signals` (the signal kernel), `_influence` (OAR's pass; its kernels `answer_perturbation` /
+`answer_influence` are looked up in this module), `_credit` (the credit core's inputs and
+output), `_batch_credit_params`, `_teacher`, `_maybe_write_credit_record`, and TRL's own
+`_compute_loss`, `_generate`, `_generate_single_turn`, `_calculate_rewards`, `_save_checkpoint`,
+`_load_optimizer_and_scheduler`.
 """
 
 from __future__ import annotations
@@ -19,7 +32,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
 import trl
 from packaging.version import Version
 from torch import Tensor, nn
@@ -28,23 +40,24 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from gear.credit import CreditDetails, CreditParams, TokenSignals
-from gear.credit.attribution import tokens_before
 from gear.credit.methods import STEP_SEEDED
-from gear.credit.signals import TEACHER_SIGNALS
+from gear.credit.registry import PASS_SIGNALS, TEACHER_SIGNALS
+from gear.integrations.trl.checks import check_arguments, check_built, check_passes
 from gear.integrations.trl.config import GEARConfig
-from gear.integrations.trl.credit import (
-    ContrastSignals,
-    batch_credit,
-    scored_rows,
-    without_unhinted_rows,
-)
+from gear.integrations.trl.credit import batch_credit, scored_rows
 from gear.integrations.trl.forwards import (
     Forwards,
     answer_influence,
     answer_perturbation,
-    eval_mode,
-    loss_prefix_blocker,
+    loss_prompts_shareable,
     shared_prompt_logps,
+)
+from gear.integrations.trl.passes import (
+    CreditBatch,
+    error_mask,
+    influence,
+    teacher_pass,
+    token_signals,
 )
 from gear.integrations.trl.prompts import (
     batch_ground_truths,
@@ -60,7 +73,7 @@ from gear.integrations.trl.prompts import (
 from gear.integrations.trl.quantized import keep_4bit_layers_trainable
 from gear.integrations.trl.records import local_rewards, log_stats, write_batch_record
 from gear.integrations.trl.self_distill import no_reward, self_distill_loss
-from gear.integrations.trl.states import StudentStates, sampling_shapers, sampling_temperature
+from gear.integrations.trl.states import StudentStates, sampling_temperature
 from gear.integrations.trl.teacher_model import (
     EMATeacherUpdate,
     build_teacher,
@@ -69,15 +82,9 @@ from gear.integrations.trl.teacher_model import (
     update_ema,
 )
 from gear.integrations.trl.vllm_sync import keep_vllm_weights_updatable
-from gear.integrations.trl.vllm_teacher import (
-    TeacherLogprobs,
-    max_logprobs,
-    score_rows,
-    teacher_logprobs,
-    teacher_sequences,
-)
+from gear.integrations.trl.vllm_teacher import TeacherLogprobs
 from gear.modeling import LogitConventions
-from gear.spans import LocateAnswer, answer_spans, error_token_mask, mask_token_id
+from gear.spans import LocateAnswer
 from gear.tasks.base import final_answer_span
 from gear.tasks.steps import StepChecker
 from gear.teacher import TeacherPrompts, WrongAnswer, ground_truth_text, offset_answer
@@ -155,37 +162,9 @@ class GEARTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GEARConfig(f"{str(name).split('/')[-1] or 'model'}-GEAR")
-        elif not isinstance(args, GEARConfig):
-            raise TypeError(
-                f"args: expected a GEARConfig, got {type(args).__name__}; use GEARConfig(...) "
-                "in place of GRPOConfig(...), with the same arguments"
-            )
+        check_arguments(args, teacher_model, teacher_processing_class, wrong_answer, step_checker)
         if args.loss_mode == "self_distill" and not reward_funcs:
             reward_funcs = [no_reward]  # TRL needs a reward source; OPSD uses none
-        if args.teacher != "frozen" and (
-            teacher_model is not None or teacher_processing_class is not None
-        ):
-            raise ValueError(
-                f"teacher_model / teacher_processing_class: only used with teacher='frozen', "
-                f"got teacher={args.teacher!r}"
-            )
-        if args.credit_method == "first_error" and step_checker is None:
-            raise ValueError(
-                "credit_method='first_error' blames each failed row's first wrong step as a step "
-                "checker places it: pass step_checker=... to GEARTrainer, a callable "
-                "(completion_text, ground_truth) -> (start, end) characters or None "
-                "(gear.tasks.steps; `gear train` takes the task's own)"
-            )
-        if step_checker is not None and not callable(step_checker):
-            raise TypeError(
-                f"step_checker: expected a callable (completion_text, ground_truth) -> "
-                f"(start, end) | None, got {type(step_checker).__name__}"
-            )
-        if wrong_answer is not None and args.teacher_context != "contrast":
-            raise ValueError(
-                f"wrong_answer: only used with teacher_context='contrast', got "
-                f"teacher_context={args.teacher_context!r}"
-            )
 
         super().__init__(
             model=model,
@@ -205,79 +184,28 @@ class GEARTrainer(GRPOTrainer):
         )
         keep_4bit_layers_trainable(self.model)  # bitsandbytes' AVX512 repacking drops grads
         keep_vllm_weights_updatable(self)  # vLLM's CPU kernels may hold the weights
-        if args.teacher_engine == "vllm" and args.kl_estimator == "topk":
-            limit = max_logprobs(self.vllm_generation)
-            if limit is not None and args.kl_topk > limit:
-                raise ValueError(
-                    f"kl_topk={args.kl_topk}: teacher_engine='vllm' asks vLLM for the teacher's "
-                    f"top-{args.kl_topk} prompt log-probs, more than its max_logprobs={limit}; "
-                    f"set kl_topk <= {limit}"
-                )
+        check_built(self, args)
         self._gear_warned_no_sampling_logprobs = False
-        if self._is_vlm:
-            raise NotImplementedError(
-                "GEARTrainer supports text-only models (the teacher pass has no image inputs)"
-            )
-        conventions = LogitConventions.of(self.model)
-        conventions.signal_kwargs(1.0)  # refuses softcap + logit scale now, not at a batch
-        if args.loss_mode == "self_distill" and self.is_deepspeed_enabled:
-            raise NotImplementedError(
-                "loss_mode='self_distill' reads lm_head.weight outside the forward, which "
-                "DeepSpeed ZeRO-3 does not allow; use DDP or FSDP"
-            )
-        if args.loss_mode == "self_distill" and self.beta != 0.0:
-            warnings.warn(
-                "loss_mode='self_distill' ignores beta (no reference KL term)", stacklevel=2
-            )
 
         self.credit_params = args.credit_params
-        requires = self.credit_params.required_signals
+        requires = set(self.credit_params.required_signals)
         self_distill = args.loss_mode == "self_distill"
-        # what this run computes: student signals (any requirement), a teacher (KL or its log-probs),
-        # the answer influence, from its own pass, no signal pass: OAR-G's input gradient or
-        # OAR-P's masked copies
+        # what this run computes: the signal pass (student signals, a teacher's KL or log-probs;
+        # `PASS_SIGNALS`), a teacher, and the answer influence from its own pass: OAR-G's input
+        # gradient or OAR-P's masked copies. A checker's mask and the group prefix tree's
+        # counts (`batch_credit`) need no pass.
         self._influence_signal = next(
             (s for s in ("influence", "perturbation") if s in requires), None
         )
         self._needs_influence = self._influence_signal is not None
-        if self._needs_influence and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            how = (
-                "the unwrapped model with an input gradient"
-                if self._influence_signal == "influence"
-                else "one forward per masked token on the unwrapped model, a number that "
-                "differs by row and process where sharded forwards are collective"
-            )
-            raise NotImplementedError(
-                f"credit_method={self.credit_params.method!r}: its influence pass runs {how}, "
-                "which DeepSpeed and FSDP do not allow; use DDP or one process"
-            )
-        if self._needs_influence and self.credit_params.oar_span == "reference":
-            columns = getattr(train_dataset, "column_names", None)
-            if columns is not None and args.answer_column not in columns:
-                raise ValueError(
-                    f"credit_oar_span='reference' appends each row's reference answer from "
-                    f"answer_column={args.answer_column!r}, which the dataset does not have; "
-                    f"columns present: {sorted(columns)}"
-                )
+        self._needs_signals = self_distill or bool(requires & set(PASS_SIGNALS))
+        self._needs_teacher = self_distill or bool(requires & set(TEACHER_SIGNALS))
+        check_passes(self, args, self._influence_signal, self._needs_signals, train_dataset)
+        if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
+            check_ground_truth_sources(self, train_dataset, eval_dataset)
         self._gear_answer_span = answer_span or final_answer_span
         self._gear_reference_text = reference_text or ground_truth_text
         self._gear_step_checker = step_checker
-        # inputs without a signal pass: OAR's influence has its own, a checker's mask and the
-        # group prefix tree's counts (`batch_credit`) need none
-        own_pass = {"influence", "perturbation", "error_mask", "prefix_count"}
-        self._needs_signals = self_distill or bool(set(requires) - own_pass)
-        self._needs_teacher = self_distill or bool(set(requires) & set(TEACHER_SIGNALS))
-        if self._needs_signals and (shapers := sampling_shapers(args)):
-            named = ", ".join(f"{k}={v!r}" for k, v in shapers.items())
-            warnings.warn(
-                f"GEARTrainer: {named} change the distribution completions are sampled from, "
-                "but the student signals use pi_S = softmax(logits / temperature) over the whole "
-                "vocabulary (spec §1), so KL, entropy and log-probs describe the unshaped "
-                "distribution; see docs/vllm.md",
-                stacklevel=2,
-            )
-        if self._needs_teacher and rollout_func is None:  # TRL's own checks ran first
-            check_ground_truth_sources(self, train_dataset, eval_dataset)
         # teacher_context='contrast': the wrong-answer hook, checked on every answer up front
         self._gear_wrong_answer = wrong_answer or offset_answer
         self._gear_answer_pool = (
@@ -287,7 +215,7 @@ class GEARTrainer(GRPOTrainer):
         )
         self._forwards = Forwards(
             accelerator=self.accelerator,
-            conventions=conventions,
+            conventions=LogitConventions.of(self.model),
             temperature=sampling_temperature(self),
             estimator=args.kl_estimator,
             topk=args.kl_topk,
@@ -378,7 +306,10 @@ class GEARTrainer(GRPOTrainer):
             )
 
         def run() -> Any:
-            if not self._shares_loss_prompts(model, input_ids, logits_to_keep, args, kwargs):
+            share = self.args.loss_prefix_sharing and loss_prompts_shareable(
+                model, input_ids.size(1), logits_to_keep, args, kwargs
+            )
+            if not self._student.on_every_process(share):  # sharded forwards pair up
                 return plain()
             out = shared_prompt_logps(
                 self.accelerator,
@@ -395,24 +326,6 @@ class GEARTrainer(GRPOTrainer):
         capturing = self._student.captures_trl_pass(model)
         return self._student.trl_pass(model, logits_to_keep, plain if capturing else run)
 
-    def _shares_loss_prompts(
-        self, model: Any, input_ids: Tensor, logits_to_keep: int, args: tuple, kwargs: dict
-    ) -> bool:
-        """Whether TRL's log-prob pass over these rows runs with shared prompts
-        (`loss_prefix_sharing`); every process decides alike (sharded forwards pair up)."""
-        text_only = not args and all(
-            kwargs.get(k) is None
-            for k in kwargs
-            if k not in ("batch_size", "compute_entropy", "compute_aux_loss")
-        )
-        share = (
-            self.args.loss_prefix_sharing
-            and text_only
-            and not kwargs.get("compute_aux_loss", False)
-            and loss_prefix_blocker(model, input_ids.size(1), logits_to_keep + 1) is None
-        )
-        return self._student.on_every_process(share)
-
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         mode = "train" if self.model.training else "eval"
         if self._needs_teacher and self.rollout_func is None and self.environment_factories is None:
@@ -423,61 +336,58 @@ class GEARTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
 
         stats: dict[str, float] = {}
-        signals = credit_signals = None
-        valid, turn_starts = _response_mask(output)
-        teacher = contrast = None
+        batch = CreditBatch.of(output)
         if self._needs_teacher:
             t0 = time.perf_counter()
             gts = batch_ground_truths(inputs, self.args.hint_column, self._gear_env_ground_truths)
-            teacher = self._teacher_inputs(self._gear_prompts, gts, output, stats)
+            batch.teacher = self._teacher_inputs(self._gear_prompts, gts, output, stats)
             if self.credit_params.contrast:
-                contrast = self._contrast_inputs(self._gear_prompts, gts, output, mode)
+                batch.contrast = self._contrast_inputs(self._gear_prompts, gts, output, mode)
             stats["gear/time_teacher_prompts"] = time.perf_counter() - t0
             if not rl:  # self_distill: the teacher pass runs in the loss, on each micro-batch
                 (
                     output["gear_teacher_input_ids"],
                     output["gear_teacher_attention_mask"],
                     output["gear_has_hint"],
-                ) = teacher
+                ) = batch.teacher
                 log_stats(self.accelerator, self._metrics[mode], stats)
                 return output
         # the rows the credit method reads: tied rows (advantage 0) get no teacher, contrast,
         # influence or signal pass (`skip_zero_advantage_rows`)
-        scored = scored_rows(
+        batch.scored = scored_rows(
             output["advantages"],
             self.credit_params,
             self.args.skip_zero_advantage_rows,
             self.accelerator,
         )
         if self._needs_signals:
-            signals = self._token_signals(output, teacher, valid, mode, stats, contrast, scored)
-            credit_signals = (
-                signals if teacher is None else without_unhinted_rows(signals, teacher[2])
+            batch.signals = self._token_signals(
+                output, batch.teacher, batch.valid, mode, stats, batch.contrast, batch.scored
             )
-
-        influence = perturbation = answer_mask = error_mask = None
         if self._needs_influence:
-            found, answer_mask = self._influence(inputs, output, valid, mode, stats, scored)
+            found, batch.answer_mask = self._influence(
+                inputs, output, batch.valid, mode, stats, batch.scored
+            )
             if self._influence_signal == "perturbation":
-                perturbation = found
+                batch.perturbation = found
             else:
-                influence = found
+                batch.influence = found
         # a checker's mask: first_error's blame, and for any method where GRPO's implicit credit
         # puts a failed row's blame (`gear/branch_*`)
         if self._gear_step_checker is not None:
-            error_mask = self._error_mask(inputs, output, valid, stats)
+            batch.error_mask = error_mask(self, inputs, output, batch.valid, stats)
         t0 = time.perf_counter()
         sequence_advantages = output["advantages"]
         details = self._credit(
             sequence_advantages,
-            valid,
-            turn_starts,
-            credit_signals,
-            influence,
-            answer_mask=answer_mask,
-            scored=scored,
-            error_mask=error_mask,
-            perturbation=perturbation,
+            batch.valid,
+            batch.turn_starts,
+            batch.credit_signals,
+            batch.influence,
+            answer_mask=batch.answer_mask,
+            scored=batch.scored,
+            error_mask=batch.error_mask,
+            perturbation=batch.perturbation,
             completion_ids=output["completion_ids"],
             completion_mask=output["completion_mask"],
             group_size=self.num_generations if mode == "train" else self.num_generations_eval,
@@ -488,7 +398,7 @@ class GEARTrainer(GRPOTrainer):
         for key, value in details.stats.items():  # already over the whole generation batch
             self._metrics[mode][key].append(value)
         if mode == "train":
-            self._maybe_write_credit_record(output, details, signals, sequence_advantages)
+            self._maybe_write_credit_record(output, details, batch.signals, sequence_advantages)
         return output
 
     def _maybe_write_credit_record(
@@ -525,7 +435,8 @@ class GEARTrainer(GRPOTrainer):
             n_rows,
         )
 
-    @torch.no_grad()
+    # ------------------------------------------------------------------------------- seams
+
     def _token_signals(
         self,
         output: dict[str, Any],
@@ -536,77 +447,17 @@ class GEARTrainer(GRPOTrainer):
         contrast: tuple[Tensor, Tensor] | None = None,
         scored: Tensor | None = None,
     ) -> TokenSignals:
-        """One student pass (or the states of generation or of TRL's pass, captured) and, given
-        `teacher` = (ids, mask, has_hint), one teacher pass (eval mode, like the student's);
-        then the chunked signals at the (B, T) `valid` policy tokens. Given `contrast` = (ids,
-        mask) of the contrast teacher (a wrong answer), one more teacher pass and its (B, T) KL
-        by the same kernel, returned as `ContrastSignals.contrast_kl` (`gear/time_contrast`:
-        that pass and its signals). Given `scored` (B,) bool, every pass runs on those rows
-        only; the other rows' signals are 0."""
-        student_hidden = self._student.take(output)
-        if scored is not None:
-            rows = scored.nonzero().squeeze(1)
-            if rows.numel() == 0:  # every row tied: nothing to score, every pass took 0 s
-                for name in ("time_student", "time_teacher", "time_signals", "teacher_tokens"):
-                    stats[f"gear/{name}"] = 0.0
-                if contrast is not None:
-                    stats["gear/time_contrast"] = 0.0
-                return _unscored_signals(valid, with_teacher=teacher is not None, contrast=contrast)
-            signals = self._scored_signals(
-                _rows_of(output, rows),
-                None if teacher is None else tuple(x[rows] for x in teacher),
-                valid[rows],
-                mode,
-                stats,
-                None if contrast is None else tuple(x[rows] for x in contrast),
-                None if student_hidden is None else student_hidden[rows],
-            )
-            return _signals_in_rows(signals, rows, valid.shape[0])
-        return self._scored_signals(output, teacher, valid, mode, stats, contrast, student_hidden)
+        """The signal pass of the batch: (B, T) signals at the `valid` tokens from the student's
+        states and, given `teacher` = (ids, mask, has_hint), one teacher pass; given `contrast`,
+        a contrast teacher's KL; given `scored` (B,) bool, those rows only (`passes.token_signals`)."""
+        return token_signals(self, output, teacher, valid, mode, stats, contrast, scored)
 
-    @torch.no_grad()
-    def _scored_signals(
-        self,
-        output: dict[str, Any],
-        teacher: tuple[Tensor, ...] | None,
-        valid: Tensor,
-        mode: str,
-        stats: dict[str, float],
-        contrast: tuple[Tensor, ...] | None,
-        student_hidden: Tensor | None,
-    ) -> TokenSignals:
-        """`_token_signals` of every row of `output`, the student's states given (or None)."""
-        completion_ids = output["completion_ids"]
-        n_keep = completion_ids.size(1)
-        batch_size = self._micro_batch(mode)
-        t0 = time.perf_counter()
-        forward = student_hidden is None
-        if forward:
-            with eval_mode(self.accelerator.unwrap_model(self.model)):
-                student_hidden = self._final_hidden(
-                    self.model,
-                    torch.cat([output["prompt_ids"], completion_ids], dim=1),
-                    torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
-                    n_keep,
-                    batch_size,
-                )
-        t1 = time.perf_counter()
-        scored = None
-        if teacher is not None:
-            scored = self._teacher_pass(teacher[0], teacher[1], output, batch_size)
-        t2 = time.perf_counter()
-        signals = self._teacher_signals(student_hidden, scored, output, valid)
-        stats["gear/time_student"] = t1 - t0 if forward else 0.0
-        stats["gear/time_teacher"], stats["gear/time_signals"] = t2 - t1, time.perf_counter() - t2
-        # the tokens the teacher pass read (its input rows, prompts included): its cost per token
-        stats["gear/teacher_tokens"] = 0.0 if teacher is None else float(teacher[1].sum())
-        if contrast is not None:
-            t3 = time.perf_counter()
-            scored = self._teacher_pass(contrast[0], contrast[1], output, batch_size)
-            contrast_kl = self._teacher_signals(student_hidden, scored, output, valid).kl
-            signals = ContrastSignals(**vars(signals), contrast_kl=contrast_kl)
-            stats["gear/time_contrast"] = time.perf_counter() - t3
-        return signals
+    def _teacher_pass(
+        self, ids: Tensor, mask: Tensor, output: dict[str, Any], batch_size: int
+    ) -> Tensor | TeacherLogprobs:
+        """The teacher on its (B, L) input `ids` / `mask`: its (B, T, H) final hidden states or
+        vLLM's log-probs of the completion tokens (`passes.teacher_pass`)."""
+        return teacher_pass(self, ids, mask, output, batch_size)
 
     def _influence(
         self,
@@ -617,139 +468,12 @@ class GEARTrainer(GRPOTrainer):
         stats: dict[str, float],
         scored: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """(B, T) influence of each completion token on the row's answer span
-        (`gear.spans.answer_spans` under `credit_oar_span`), eval mode: OAR-G's input gradient
-        of its log-probability (`forwards.answer_influence`) or OAR-P's change of it when the
-        token is replaced by the pad token (`forwards.answer_perturbation`, `credit_oar_pfinal`),
-        and the (B, T) bool answer span inside the completions. Given `scored` (B,) bool, the
-        influence pass runs on those rows only (the others' influence is 0). Scored rows whose
-        answer is not found (scored on their last `credit_oar_answer_len` tokens) are counted in
-        `gear/oar_span_fallback`; the seconds go to `gear/time_influence`."""
-        t0 = time.perf_counter()
-        references = None
-        if self.credit_params.oar_span == "reference":
-            column = self.args.answer_column
-            references = [self._gear_reference_text(row.get(column)) for row in inputs]
-        spans = answer_spans(
-            self.credit_params,
-            self._tokenizer,
-            output["completion_ids"],
-            output["completion_mask"],
-            valid,
-            self._gear_answer_span,
-            references,
-        )
-        ids = torch.cat([output["prompt_ids"], spans.completion_ids], dim=1)
-        mask = torch.cat([output["prompt_mask"], spans.completion_mask], dim=1)
-        rows = None if scored is None else scored.nonzero().squeeze(1)
-        influence = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-        if rows is None or rows.numel() > 0:
-            keep = slice(None) if rows is None else rows
-            with eval_mode(self.accelerator.unwrap_model(self.model)):
-                if self._influence_signal == "perturbation":
-                    masked = tokens_before(spans.answer_mask, valid)  # the tokens OAR reshapes
-                    masked = torch.nn.functional.pad(
-                        masked, (0, spans.span.shape[1] - valid.shape[1])
-                    )
-                    part = answer_perturbation(
-                        self._forwards,
-                        self.model,
-                        ids[keep],
-                        mask[keep],
-                        spans.span[keep],
-                        masked[keep],
-                        mask_token_id(self._tokenizer),
-                        self.credit_params.oar_pfinal,
-                        self._micro_batch(mode) * ids.shape[1],  # a training forward's tokens
-                    )
-                else:
-                    part = answer_influence(
-                        self._forwards,
-                        self.model,
-                        ids[keep],
-                        mask[keep],
-                        spans.span[keep],
-                        self._micro_batch(mode),
-                    )
-            influence[keep] = part[:, : valid.shape[1]].to(influence.dtype)
-        fallback = (
-            spans.fallback if scored is None else spans.fallback & scored.to(spans.fallback.device)
-        )
-        stats["gear/oar_span_fallback"] = float(fallback.sum())
-        stats["gear/time_influence"] = time.perf_counter() - t0
-        return influence, spans.answer_mask
-
-    def _error_mask(
-        self,
-        inputs: list[dict[str, Any]],
-        output: dict[str, Any],
-        valid: Tensor,
-        stats: dict[str, float],
-    ) -> Tensor:
-        """(B, T) bool: each row's first wrong step in tokens, as the step checker places it in
-        the completion's text (`gear.spans.error_token_mask`), policy tokens only. Failed rows
-        (advantage < 0) it places are counted in `gear/first_error_placed`, those it cannot in
-        `gear/first_error_unplaced` (they keep GRPO's advantage); seconds in
-        `gear/time_step_checker`."""
-        t0 = time.perf_counter()
-        column = self.args.ground_truth_column
-        truths = self._gear_env_ground_truths or [row.get(column) for row in inputs]
-        mask = error_token_mask(
-            self._tokenizer,
-            output["completion_ids"],
-            output["completion_mask"],
-            self._gear_step_checker,  # type: ignore[arg-type]
-            truths,
-        ) & valid.to(output["completion_ids"].device)
-        failed = output["advantages"] < 0
-        placed = mask.any(dim=1).to(failed.device)
-        stats["gear/first_error_placed"] = float((failed & placed).sum())
-        stats["gear/first_error_unplaced"] = float((failed & ~placed).sum())
-        stats["gear/time_step_checker"] = time.perf_counter() - t0
-        return mask
-
-    def _teacher_pass(
-        self, ids: Tensor, mask: Tensor, output: dict[str, Any], batch_size: int
-    ) -> Tensor | TeacherLogprobs:
-        """The teacher on its (B, L) input `ids` / `mask`: its (B, T, H) final hidden states
-        (`teacher_engine='trainer'`, eval mode), or its log-probs of the completion tokens scored
-        by TRL's vLLM engine (`'vllm'`: one prefill per row, `vllm_teacher`)."""
-        if self.args.teacher_engine == "vllm":
-            k = self.args.kl_topk if self.args.kl_estimator == "topk" else 0
-            sequences, starts = teacher_sequences(ids, mask, output["completion_mask"])
-            scored = score_rows(self.vllm_generation, self.accelerator, sequences, starts, k)
-            return teacher_logprobs(scored, output["completion_mask"], k)
-        with eval_mode(self.accelerator.unwrap_model(self._teacher())):
-            n_keep = output["completion_ids"].size(1)
-            return self._final_hidden(self._teacher(), ids, mask, n_keep, batch_size)
-
-    def _teacher_signals(
-        self,
-        student_hidden: Tensor,
-        teacher: Tensor | TeacherLogprobs | None,
-        output: dict[str, Any],
-        valid: Tensor,
-    ) -> TokenSignals:
-        """Signals at the (B, T) `valid` tokens from the student's (B, T, H) states and the
-        teacher's states or vLLM log-probs (`_teacher_pass`; None: the student's alone). With
-        vLLM's log-probs the student side of k1 / k3 is vLLM's too: the log-probs it sampled
-        the tokens with (TRL's `sampling_per_token_logps`), so the two engines' numerics do not
-        enter the KL (docs/spec.md, 'Teacher engines')."""
-        completion_ids = output["completion_ids"]
-        if not isinstance(teacher, TeacherLogprobs):
-            return self._signals(student_hidden, teacher, completion_ids, mask=valid)
-        sampled = output.get("sampling_per_token_logps")
-        if sampled is None and not self._gear_warned_no_sampling_logprobs:
-            self._gear_warned_no_sampling_logprobs = True
-            warnings.warn(
-                "teacher_engine='vllm': the batch has no vLLM sampling log-probs "
-                "(sampling_per_token_logps; a rollout_func that returns none?), so the KL "
-                "compares the trainer's student log-probs with vLLM's teacher log-probs",
-                stacklevel=2,
-            )
-        return self._forwards.logprob_signals(
-            self.model, student_hidden, completion_ids, teacher, sampled, mask=valid
-        )
+        """(B, T) influence of each completion token on its row's answer and the (B, T) bool
+        answer span (`passes.influence`). The kernel is looked up in this module at each call,
+        so patching `answer_perturbation` / `answer_influence` here reaches the pass."""
+        oar_p = self._influence_signal == "perturbation"
+        kernel = answer_perturbation if oar_p else answer_influence
+        return influence(self, inputs, output, valid, mode, stats, scored, kernel)
 
     def _credit(
         self,
@@ -769,28 +493,10 @@ class GEARTrainer(GRPOTrainer):
         """`gear.credit.credit_details` of this process's rows, on the whole generation batch,
         with the group prefix tree's statistics (`batch_credit`)."""
         return batch_credit(
-            self.accelerator,
-            advantages,
-            valid,
-            turn_starts,
-            signals,
-            self._batch_credit_params(),
-            influence,
-            answer_mask,
-            scored,
-            error_mask,
-            perturbation,
-            completion_ids,
-            completion_mask,
-            group_size,
-        )
-
-    def _micro_batch(self, mode: str) -> int:
-        """Rows per forward of the extra passes (teacher, student, influence): the run's own
-        per-device batch of that mode."""
-        if mode == "train":
-            return self.args.per_device_train_batch_size
-        return self.args.per_device_eval_batch_size
+            self.accelerator, advantages, valid, turn_starts, signals, self._batch_credit_params(),
+            influence, answer_mask, scored, error_mask, perturbation, completion_ids,
+            completion_mask, group_size,
+        )  # fmt: skip
 
     def _teacher(self) -> nn.Module:
         return self.model if self.teacher_model is None else self.teacher_model
@@ -830,8 +536,6 @@ class GEARTrainer(GRPOTrainer):
         built = self._teacher_prompts(prompts, wrong)
         ids, mask, _ = teacher_inputs(built, output, self._tokenizer.pad_token_id)
         return ids, mask
-
-    # ------------------------------------------------------------------------------- forwards
 
     def _final_hidden(
         self,
@@ -880,59 +584,6 @@ class GEARTrainer(GRPOTrainer):
         for key, value in stats.items():
             self._metrics[mode][key].append(value)
         return loss
-
-
-# ----------------------------------------------------------------------------------- helpers
-
-
-def _rows_of(output: dict[str, Any], rows: Tensor) -> dict[str, Any]:
-    """The batch `output` restricted to `rows`: every (B, ...) tensor indexed, the rest kept."""
-    B = output["completion_ids"].size(0)
-    return {
-        k: v[rows] if isinstance(v, Tensor) and v.dim() > 0 and v.size(0) == B else v
-        for k, v in output.items()
-    }
-
-
-def _signals_in_rows(signals: TokenSignals, rows: Tensor, n: int) -> TokenSignals:
-    """(len(rows), T) signals placed at `rows` of (n, T) ones, 0 in the other rows."""
-
-    def place(v: Tensor | None) -> Tensor | None:
-        if v is None:
-            return None
-        return v.new_zeros(n, *v.shape[1:]).index_copy_(0, rows, v)
-
-    return dataclasses.replace(
-        signals, **{f.name: place(getattr(signals, f.name)) for f in dataclasses.fields(signals)}
-    )
-
-
-def _unscored_signals(
-    valid: Tensor, with_teacher: bool, contrast: tuple[Tensor, ...] | None
-) -> TokenSignals:
-    """The signals of a batch none of whose rows is scored: 0 everywhere."""
-    zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-    teacher = zeros if with_teacher else None
-    signals = TokenSignals(
-        kl=teacher, entropy=zeros, student_logprobs=zeros, teacher_logprobs=teacher
-    )
-    if contrast is not None:
-        return ContrastSignals(**vars(signals), contrast_kl=zeros)
-    return signals
-
-
-def _response_mask(output: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
-    """(B, T) policy tokens (completion minus tool output) and turn starts (a policy token right
-    after tool output), or None without tools."""
-    valid = output["completion_mask"].bool()
-    tool_mask = output.get("tool_mask")
-    if tool_mask is None:
-        return valid, None
-    policy = tool_mask.bool()
-    valid = valid & policy
-    after_tool = torch.zeros_like(valid)
-    after_tool[:, 1:] = ~policy[:, :-1]
-    return valid, valid & after_tool
 
 
 __all__ = ["TESTED_TRL", "GEARTrainer", "no_reward"]
