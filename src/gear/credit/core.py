@@ -190,10 +190,22 @@ def credit_details(
     Returns:
         `CreditDetails`. Rows whose needed signals are not finite on valid tokens get w = 1.
     """
-    given = dict(locals())  # first: the arguments alone, the signals among them (CREDIT_SIGNALS)
+    # the per-token signals by name (test_signal_names checks that the keywords above are
+    # exactly `CREDIT_SIGNALS`; the assert, that this mapping names each of them)
+    signals: dict[str, Tensor | None] = {
+        "kl": kl,
+        "entropy": entropy,
+        "student_logprobs": student_logprobs,
+        "teacher_logprobs": teacher_logprobs,
+        CONTRAST_KL: contrast_kl,
+        "influence": influence,
+        "perturbation": perturbation,
+        "error_mask": error_mask,
+        "prefix_count": prefix_count,
+    }
+    assert tuple(signals) == CREDIT_SIGNALS, "credit_details: a signal left out"
     params = params or CreditParams()
     skipped = _skipped_rows(scored, advantages, params)
-    signals: dict[str, Tensor | None] = {name: given[name] for name in CREDIT_SIGNALS}
     for name in MASK_SIGNALS:
         if signals[name] is not None:
             signals[name] = _as_float_mask(name, signals[name], response_mask)
