@@ -28,12 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gear.credit.registry import SIGNAL_SPECS
 from gear.credit.signals import TokenSignals, signals_from_hidden
 from gear.modeling import LogitConventions, capture_final_hidden, lm_head
 from gear.modeling.model import only_capture
 
 #: non-tensor batch key: verl's old-log-prob pass runs the teacher pass too (worker.py)
 FUSED_KEY = "gear_signals"
+#: what the signal pass gives without a teacher: the student's own signals (entropy, log-probs)
+STUDENT_SIGNALS = tuple(s.name for s in SIGNAL_SPECS if s.signal_pass and not s.teacher)
 
 
 @dataclass
@@ -303,8 +306,8 @@ def student_signals(
     with on_head(module, signals):
         dummy_forward(module, options.pad_token_id, device, autocast)
     if not result:
-        return {k: torch.zeros(0) for k in ("entropy", "student_logprobs")}
-    return {k: getattr(result[0], k)[0].float().cpu() for k in ("entropy", "student_logprobs")}
+        return {k: torch.zeros(0) for k in STUDENT_SIGNALS}
+    return {k: getattr(result[0], k)[0].float().cpu() for k in STUDENT_SIGNALS}
 
 
 def micro_batch_signals(
@@ -439,7 +442,7 @@ def _scored_rows_only(
         remove_padding, device, autocast, sync, pick(contrast_prompts),
     )  # fmt: skip
     names = (
-        ["entropy", "student_logprobs"]
+        list(STUDENT_SIGNALS)
         if teacher_prompts is None
         else [
             *TokenSignals.__dataclass_fields__,
