@@ -169,8 +169,8 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from gear.config import resolve_values
-    from gear.run import load_model_and_data
+    from gear.app.config import resolve_values
+    from gear.app.train import load_model_and_data
     from gear.tasks import get_task
 
     warnings.filterwarnings("ignore")

@@ -39,7 +39,7 @@ OUT = RESULTS / "profile_run.json"
 #: subtracted from the phase that contains them (`PARENT`)
 TIMED = {
     "load_model": "gear.models:load_model_and_tokenizer",
-    "eval": "gear.evaluate:_evaluate_with_progress",
+    "eval": "gear.app.evaluate:_evaluate_with_progress",
     "step": "transformers.trainer:Trainer.training_step",
     "generate_and_score": "gear.integrations.trl.trainer:GEARTrainer._generate_and_score_completions",
     "generation": "gear.integrations.trl.trainer:GEARTrainer._generate_single_turn",
@@ -150,8 +150,8 @@ def split(timers: Timers, warmup: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gear.config import parse_value, resolve_config
-    from gear.run import train
+    from gear.app.config import parse_value, resolve_config
+    from gear.app.train import train
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)

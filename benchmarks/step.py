@@ -1,6 +1,6 @@
 """One training step of GEAR vs GRPO: same model, batch and seed, in one process, alternated.
 
-GRPO is TRL's own `GRPOTrainer`; GEAR is the `GEARTrainer` that `gear train` builds (gear.run;
+GRPO is TRL's own `GRPOTrainer`; GEAR is the `GEARTrainer` that `gear train` builds (gear.app.train;
 credit_method="gear", current teacher) with each group's teacher prompt computed once
 (`prefix_sharing=True`, the default); "gear_unshared" is GEAR with `prefix_sharing=False` (the
 plain teacher pass, "before"). Each repeat trains every method from the same initial weights for
@@ -62,7 +62,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from benchmarks.common import RESULTS, machine, print_table, write_json
-from gear.config import checkpointing_field
+from gear.app.config import checkpointing_field
 from gear.testing import tied_reward
 
 CHECKPOINTING = checkpointing_field(TrainingArguments)  # renamed in transformers 5.18
@@ -131,9 +131,9 @@ def run(
 ) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
-    from gear.config import resolve_values, trainer_args
-    from gear.preflight import lora_config
-    from gear.run import build_trainer
+    from gear.app.config import resolve_values, trainer_args
+    from gear.app.preflight import lora_config
+    from gear.app.train import build_trainer
     from gear.tasks import get_task
 
     task = get_task("arithmetic")
@@ -143,7 +143,7 @@ def run(
     peft_config = lora_config(resolve_values({"lora_r": args.lora}))  # None without --lora
     if (
         getattr(args, "tie_share", None) is not None
-    ):  # both arms (gear.run's build_trainer reads task.reward)
+    ):  # both arms (gear.app.train's build_trainer reads task.reward)
         task = copy.copy(task)
         task.reward = tied_reward(args.tie_share)
     reward = task.reward
@@ -160,7 +160,7 @@ def run(
             **fields, output_dir=out, seed=args.seed, use_cpu=not torch.cuda.is_available()
         )
         trainer = GRPOTrainer(args=config, **common)
-    else:  # gear train's recipe (gear.run) with this config
+    else:  # gear train's recipe (gear.app.train) with this config
         gear = dict(
             credit_method=method if method in CREDIT_ARMS else SHARED_LOSS.get(method, "gear"),
             teacher="current",
@@ -172,7 +172,7 @@ def run(
             gear["teacher_context"] = "contrast"
         if method == "gear_before":  # issue 48's "before": every row scored, LoRA unmerged
             gear |= {"skip_zero_advantage_rows": False, "merge_lora_passes": False}
-        if extra:  # the vLLM arms: gear.run needs the newer transformers of .venv
+        if extra:  # the vLLM arms: gear.app.train needs the newer transformers of .venv
             from gear.integrations.trl import GEARConfig, GEARTrainer
 
             config = GEARConfig(
@@ -339,8 +339,8 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from gear.config import resolve_values
-    from gear.run import load_model_and_data
+    from gear.app.config import resolve_values
+    from gear.app.train import load_model_and_data
     from gear.tasks import get_task
 
     warnings.filterwarnings("ignore")

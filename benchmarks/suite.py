@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--name", default="suite_smollm2")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from gear import suite
+    from gear.app import suite
 
     rows, times, answered, start = [], {}, {}, time.monotonic()
     for name in args.suites:

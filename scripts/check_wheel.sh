@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 import gear
-from gear.config import config_path, recipe_names, resolve_config
+from gear.app.config import config_path, recipe_names, resolve_config
 
 root, site = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
 here = Path(gear.__file__).resolve()

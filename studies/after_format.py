@@ -76,9 +76,9 @@ def lora_model(seed: int) -> tuple[Any, Any]:
     its initial adapter weights drawn from `seed`."""
     from peft import get_peft_model
 
-    from gear.config import resolve_config
+    from gear.app.config import resolve_config
+    from gear.app.preflight import lora_config
     from gear.models import load_model_and_tokenizer
-    from gear.preflight import lora_config
 
     model, tok = load_model_and_tokenizer("smollm2", dtype=torch.float32)
     torch.manual_seed(seed)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from gear.compare import GATE_MIN_SEEDS, GATE_TREND, read_rule, run_record
+from gear.app.compare import GATE_MIN_SEEDS, GATE_TREND, read_rule, run_record
 from gear.evidence import RecordStore, head_commit
 from gear.models import content_hash
 
@@ -186,7 +186,7 @@ def compare_command(
         else []
     )
     return [
-        sys.executable, "-m", "gear.cli", "compare",
+        sys.executable, "-m", "gear.app.cli", "compare",
         "--model", str(checkpoint_dir(0).relative_to(ROOT)), *RECIPE, *rate, *amended,
         "--steps", str(steps()), *(x for a in arms for x in ("--methods", ARMS[a])),
         *(x for s in seeds for x in ("--seeds", str(s))), "--effect", str(EFFECT),
@@ -246,10 +246,10 @@ def put_piece(piece: dict[str, Any], store: RecordStore | None = None) -> None:
 
 
 def finished(out: Path, store: RecordStore | None = None) -> dict[str, dict[int, dict[str, Any]]]:
-    """Arm -> seed -> the run's record (`gear.compare.run_record`, with its summary's CPU
+    """Arm -> seed -> the run's record (`gear.app.compare.run_record`, with its summary's CPU
     capability, wall seconds and model identity) for every finished run in `out`; `store`:
     the records that list the study's pieces (default this study's)."""
-    from gear import compare as study
+    from gear.app import compare as study
 
     rule = study.read_rule(out)
     if rule is None:
@@ -542,7 +542,7 @@ def keep(study_dir: Path, copy: Path, runs: dict[str, dict[int, dict[str, Any]]]
     run's record files (`RUN_FILES`, no checkpoints) into `copy`, which is committed: the run
     directories are not, and `restore` puts these back so that `gear compare` skips those runs
     in a later session."""
-    from gear import compare as study
+    from gear.app import compare as study
 
     copy.mkdir(parents=True, exist_ok=True)
     for f in ("rule.json", "compare.json", "compare.md", "compare.png"):

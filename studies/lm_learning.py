@@ -286,7 +286,7 @@ def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = Fal
     from its checkpoint). Before the first run, GRPO's first steps must be the grid's
     (`pipeline_check`, kept in RESULTS / POST_HOC_CHECK). Then `posthoc_report`. `dry_run`:
     check the keys and print the runs' commands, run nothing."""
-    from gear.config import resolve_config
+    from gear.app.config import resolve_config
     from gear.integrations.trl import GEARConfig
 
     seeds = json.loads(out.read_text())["seeds"]
@@ -316,7 +316,7 @@ def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = Fal
 
 def posthoc_run(arm: str, seed: int) -> dict:
     """One post-hoc run to its record, which also keeps `gear/oar_span_fallback` per step."""
-    from gear.run_callbacks import read_metrics
+    from gear.app.callbacks import read_metrics
 
     name = posthoc_name(arm, seed)
     meta = {"stage": "lm_learning_posthoc", "post_hoc": "issue 53", "arm": arm,
@@ -406,7 +406,7 @@ def first_steps(keys: dict[str, Any], seed: int, steps: int, run_dir: Path, src:
     """CHECK_KEYS of the first `steps` steps of `gear train --set keys` at `seed`, run from the
     source tree `src` in `run_dir` and cut once they are logged (a smaller max_steps would
     change the learning-rate schedule, and so the steps after the first)."""
-    from gear.run_callbacks import read_metrics
+    from gear.app.callbacks import read_metrics
 
     def logged() -> list[dict]:
         rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if "reward" in m]

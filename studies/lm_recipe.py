@@ -83,7 +83,7 @@ def settings_of(stage: str, setting: str, method: str) -> dict[str, Any]:
 def gear_command(
     name: str, keys: dict[str, Any], seed: int, resume: bool, runs: Path = RUNS
 ) -> list[str]:
-    exe = [sys.executable, "-m", "gear.cli", "train"]
+    exe = [sys.executable, "-m", "gear.app.cli", "train"]
     if resume:
         return [*exe, "--resume", str(runs / name)]
     args = [*exe, "--seed", str(seed), "--output-dir", str(runs / name)]
@@ -133,7 +133,7 @@ def keep(run_dir: Path, records: Path, meta: dict[str, Any], wall: float, resume
     import torch
     import yaml
 
-    from gear.run_callbacks import read_metrics
+    from gear.app.callbacks import read_metrics
 
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = read_metrics(run_dir / "metrics.jsonl")
@@ -161,9 +161,9 @@ def write_record(record: dict, records: Path = RECORDS) -> dict:
 
 def ensure_before(stage: str, setting: str, method: str) -> None:
     """The shared held-out scores before training, computed once (all cores) and cached for
-    every run (`gear.evaluate.cached_eval_before`), so parallel runs do not each compute them."""
-    from gear.config import resolve_config
-    from gear.evaluate import cached_eval_before, evaluate_now, store_eval_before
+    every run (`gear.app.evaluate.cached_eval_before`), so parallel runs do not each compute them."""
+    from gear.app.config import resolve_config
+    from gear.app.evaluate import cached_eval_before, evaluate_now, store_eval_before
 
     cfg = resolve_config(None, settings_of(stage, setting, method))
     if cached_eval_before(cfg) is not None:
@@ -225,10 +225,10 @@ def sft_control(setting: str, seed: int = 0, threads: int = 1) -> dict:
     import torch
     from peft import get_peft_model
 
-    from gear.config import resolve_config
-    from gear.evaluate import cached_eval_before, evaluate_now
+    from gear.app.config import resolve_config
+    from gear.app.evaluate import cached_eval_before, evaluate_now
+    from gear.app.preflight import lora_config
     from gear.models import load_model_and_tokenizer
-    from gear.preflight import lora_config
     from gear.tasks import get_task
 
     name = run_name("control", setting, "sft", seed)

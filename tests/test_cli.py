@@ -11,10 +11,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from gear.cli import app
-from gear.config import resolve_config
+from gear.app.cli import app
+from gear.app.config import resolve_config
+from gear.app.precision import cpu_capability, native_cpu_bf16
 from gear.models import tiny_model_and_tokenizer
-from gear.precision import cpu_capability, native_cpu_bf16
 
 runner = CliRunner()
 TINY = [
@@ -107,8 +107,8 @@ def _progress_lines(monkeypatch, times: list[float], logs: list[dict]) -> list[s
     """`step_line` of steps 1, 2, ... ending at `times` (seconds after training began)."""
     from types import SimpleNamespace
 
-    from gear import run_callbacks
-    from gear.run_callbacks import ProgressCallback, step_line
+    from gear.app import callbacks as run_callbacks
+    from gear.app.callbacks import ProgressCallback, step_line
 
     clock = iter(times)
     monkeypatch.setattr(run_callbacks, "time", SimpleNamespace(monotonic=lambda: next(clock)))
@@ -136,7 +136,7 @@ def test_a_step_whose_rows_all_tie_says_so_and_prints_no_kl(monkeypatch):
     them, but with every advantage 0 it moves nothing: the line says the same."""
     from types import SimpleNamespace
 
-    from gear.run_callbacks import ProgressCallback
+    from gear.app.callbacks import ProgressCallback
 
     tied = {"reward": 1.0, "gear/kl_mean": None, "frac_reward_zero_std": 1.0}
     for log in (tied, tied | {"gear/kl_mean": 0.2}):
@@ -217,7 +217,7 @@ def test_resume_continues_from_the_last_checkpoint_and_resolves_bf16_auto_again(
 ):
     """The run was trained with bf16 on this machine's choice; resumed on an AVX2-only CPU
     (simulated), `bf16: auto` picks float32 there instead of forcing emulated bf16."""
-    from gear import precision as P
+    from gear.app import precision as P
 
     monkeypatch.setattr(P, "cpu_flags", lambda *a: {"fpu", "sse4_2", "avx", "avx2", "fma"})
     result = runner.invoke(app, ["train", "--resume", str(run_dir), "--steps", "3"])
@@ -234,7 +234,7 @@ def test_resume_continues_from_the_last_checkpoint_and_resolves_bf16_auto_again(
 def test_resume_uses_exactly_the_saved_config_of_a_run_started_from_a_yaml(tiny_dir, tmp_path):
     """Keys the user's YAML left out keep GEARConfig's defaults on resume: nothing of gear's
     `default` recipe is merged in (it would set learning_rate 1e-5, max_completion_length 48)."""
-    from gear.config import read_run_config, resolve_config, resume_config
+    from gear.app.config import read_run_config, resolve_config, resume_config
 
     user = tmp_path / "mine.yaml"
     user.write_text(
@@ -262,7 +262,7 @@ def test_resume_uses_exactly_the_saved_config_of_a_run_started_from_a_yaml(tiny_
 
 
 def test_a_config_yaml_of_an_older_gear_with_bf16_resolved_resumes_as_auto(tmp_path):
-    from gear.config import read_run_config
+    from gear.app.config import read_run_config
 
     (tmp_path / "config.yaml").write_text(
         yaml.safe_dump({"model": "smollm2", "trainer": {"bf16": True, "max_steps": 3},
@@ -418,7 +418,7 @@ AFTER = {"grpo": [0.62, 0.70, 0.66], "gear": [0.70, 0.81, 0.77], "rlsd": [0.63, 
 
 
 def fake_train(fail: dict[str, Exception]):
-    """gear.run.train's stand-in: each run finishes at once (AFTER), or raises as `fail` says."""
+    """gear.app.train.train's stand-in: each run finishes at once (AFTER), or raises as `fail` says."""
 
     def train(cfg, run_dir, resume, console):
         run_dir = Path(run_dir)
@@ -439,7 +439,9 @@ def test_compare_goes_on_after_a_failed_run_and_names_it(tmp_path, monkeypatch):
     (issue 59, item 7). Now it is logged in its run directory, the study goes on, the report
     names it, and the command exits 1; --report writes the report without training."""
     out = tmp_path / "study"
-    monkeypatch.setattr("gear.run.train", fake_train({"gear-seed0": RuntimeError("NaN loss")}))
+    monkeypatch.setattr(
+        "gear.app.train.train", fake_train({"gear-seed0": RuntimeError("NaN loss")})
+    )
     result = runner.invoke(app, [*STUDY, "--out", str(out)])
     text = " ".join(result.output.split())
     assert result.exit_code == 1, result.output
@@ -453,13 +455,15 @@ def test_compare_goes_on_after_a_failed_run_and_names_it(tmp_path, monkeypatch):
     assert "1 run(s) failed: gear-seed0" in text
     # report only: trains nothing, writes the report of what exists (a failed run: exit 1)
     (out / "compare.json").unlink()
-    monkeypatch.setattr("gear.run.train", fake_train({"gear-seed0": AssertionError("trained")}))
+    monkeypatch.setattr(
+        "gear.app.train.train", fake_train({"gear-seed0": AssertionError("trained")})
+    )
     again = runner.invoke(app, ["compare", "--report", "--out", str(out)])
     assert again.exit_code == 1, again.output
     assert "gear-seed0 failed" in " ".join(again.output.split())
     assert json.loads((out / "compare.json").read_text())["verdict"] == report["verdict"]
     # the same command retries the failed run; once it finishes the study is whole
-    monkeypatch.setattr("gear.run.train", fake_train({}))
+    monkeypatch.setattr("gear.app.train.train", fake_train({}))
     retry = runner.invoke(app, [*STUDY, "--out", str(out)])
     assert retry.exit_code == 0, retry.output
     assert not (out / "gear-seed0" / "error.log").exists()
@@ -472,11 +476,11 @@ def test_compare_after_sigterm_gives_one_instruction(tmp_path, monkeypatch):
     two instructions, the first of which leaves the study (issue 59, item 9)."""
     import signal
 
-    from gear.run_callbacks import RunStopped
+    from gear.app.callbacks import RunStopped
 
     out = tmp_path / "study"
     stop = RunStopped(signal.SIGTERM, out / "gear-seed0", out / "gear-seed0" / "checkpoint-2")
-    monkeypatch.setattr("gear.run.train", fake_train({"gear-seed0": stop}))
+    monkeypatch.setattr("gear.app.train.train", fake_train({"gear-seed0": stop}))
     result = runner.invoke(app, [*STUDY, "--out", str(out)])
     text = " ".join(result.output.split())
     assert result.exit_code == 143, result.output
@@ -488,7 +492,7 @@ def test_compare_after_sigterm_gives_one_instruction(tmp_path, monkeypatch):
 def test_compare_plan_reads_the_study_rules_arms(tmp_path, monkeypatch):
     """--plan on a 3-arm study planned for the CLI's default pair (issue 59, item 2)."""
     out = tmp_path / "study"
-    monkeypatch.setattr("gear.run.train", fake_train({}))
+    monkeypatch.setattr("gear.app.train.train", fake_train({}))
     assert runner.invoke(app, [*STUDY, "--effect", "0.1", "--out", str(out)]).exit_code == 0
     plan = runner.invoke(app, ["compare", "--plan", "--out", str(out)])
     assert plan.exit_code == 0, plan.output
@@ -502,7 +506,7 @@ def test_compare_refuses_an_edited_config_file_naming_the_key(tmp_path, monkeypa
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("extends: default\nlearning_rate: 5.0e-4\n")
     out = tmp_path / "study"
-    monkeypatch.setattr("gear.run.train", fake_train({}))
+    monkeypatch.setattr("gear.app.train.train", fake_train({}))
     args = [*STUDY, "--config", str(recipe), "--out", str(out)]
     assert runner.invoke(app, [*args, "--only", "grpo"]).exit_code == 0
     recipe.write_text("extends: default\nlearning_rate: 5.0e-2\n")
@@ -525,7 +529,9 @@ def test_compare_refuses_an_edited_config_file_naming_the_key(tmp_path, monkeypa
 def test_compare_refuses_a_bad_out_or_effect_in_one_line(args, message, tmp_path, monkeypatch):
     """A file as --out raised a bare FileExistsError, --effect inf trained every run and then
     crashed every report (issue 59, items 5 and 6)."""
-    monkeypatch.setattr("gear.run.train", fake_train({}))  # where it is not refused: no training
+    monkeypatch.setattr(
+        "gear.app.train.train", fake_train({})
+    )  # where it is not refused: no training
     (tmp_path / "file").write_text("x")
     args = [a.format(file=tmp_path / "file", dir=tmp_path / "study") for a in args]
     result = runner.invoke(app, ["compare", *args])
@@ -587,7 +593,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(args, message, tiny_dir, 
 
 def test_help_lists_every_shipped_recipe():
     """The recipe list in --help comes from the package, so a new recipe cannot be missing."""
-    from gear.config import recipe_names
+    from gear.app.config import recipe_names
 
     for command in ("train", "compare"):
         text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=200).output.split())

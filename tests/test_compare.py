@@ -1,5 +1,5 @@
 """The comparison `gear compare` and the studies share (gear.evidence.compare) and the study
-directory around it (gear.compare: rule, records, report), on synthetic records: no training."""
+directory around it (gear.app.compare: rule, records, report), on synthetic records: no training."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import integrate, optimize, stats
 
-from gear import compare as study
+from gear.app import compare as study
 from gear.evidence import (
     compare_arms,
     mde,

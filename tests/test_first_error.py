@@ -106,7 +106,7 @@ def test_the_arithmetic_checker_places_the_first_wrong_equation():
 
 
 def test_tasks_declare_their_checker_and_others_are_refused_before_any_work():
-    from gear.config import check_task_method, resolve_config
+    from gear.app.config import check_task_method, resolve_config
 
     assert get_task("arithmetic", mix="chain:1").step_checker() is first_wrong_token_span
     assert get_task("arithmetic", mix="multistep:1,chain:1").step_checker() is not None
@@ -183,7 +183,7 @@ def tiny_dir(tmp_path_factory):
 def test_gear_train_refuses_a_task_without_a_checker_before_any_work(tmp_path):
     from typer.testing import CliRunner
 
-    from gear.cli import app
+    from gear.app.cli import app
 
     out = tmp_path / "run"
     result = CliRunner().invoke(
@@ -202,7 +202,7 @@ def test_gear_compare_trains_arms_with_their_own_settings(tiny_dir, tmp_path):
     import yaml
     from typer.testing import CliRunner
 
-    from gear.cli import app
+    from gear.app.cli import app
 
     out = tmp_path / "study"
     args = ["compare", "--methods", "grpo",

@@ -305,7 +305,7 @@ def test_gear_gym_command_passes_its_options_and_refuses_bad_counts(monkeypatch)
     from typer.testing import CliRunner
 
     import gear.gym
-    from gear.cli import app
+    from gear.app.cli import app
 
     seen = {}
 
@@ -350,7 +350,7 @@ def test_tables_stay_aligned_with_a_users_long_arm_name(monkeypatch):
     from typer.testing import CliRunner
 
     import gear.gym
-    from gear.cli import app
+    from gear.app.cli import app
     from gear.gym import table
 
     names = ["grpo", "mycredit:first_spike@tau_onset=0.05,estimator=k1"]

@@ -61,7 +61,7 @@ def test_finished_runs_are_kept_and_restored_for_a_later_session(tmp_path, monke
     puts them back into an empty work tree, where gear compare finds the runs finished."""
     import json
 
-    from gear import compare as study
+    from gear.app import compare as study
 
     studies, copies = tmp_path / "runs", tmp_path / "copies"
     pilot = studies / "pilot"

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from gear.cli import app
+from gear.app.cli import app
 from gear.testing import save_tiny_model, tiny_run_args
 
 runner = CliRunner()
@@ -76,7 +76,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("gear.run.load_model_and_data", refuse)
+    monkeypatch.setattr("gear.app.train.load_model_and_data", refuse)
     monkeypatch.setattr("gear.models.load_model_and_tokenizer", refuse)
 
 
@@ -365,8 +365,8 @@ def scores(n: int = 4) -> dict:
 def test_a_damaged_eval_cache_entry_is_recomputed_with_a_note_never_trusted(
     tmp_path, monkeypatch, entry, problem
 ):
-    from gear.config import resolve_config
-    from gear.evaluate import _eval_cache_file, cached_eval_before, store_eval_before
+    from gear.app.config import resolve_config
+    from gear.app.evaluate import _eval_cache_file, cached_eval_before, store_eval_before
 
     monkeypatch.setenv("GEAR_CACHE", str(tmp_path / "cache"))
     cfg = resolve_config(None, {"eval_n": 4, "eval_samples": 0})  # the embedded model's key

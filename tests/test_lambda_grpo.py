@@ -216,7 +216,7 @@ def test_gear_compare_runs_a_lambda_grpo_arm(tmp_path):
 
     from typer.testing import CliRunner
 
-    from gear.cli import app
+    from gear.app.cli import app
     from gear.models import tiny_model_and_tokenizer
 
     model, tokenizer = tiny_model_and_tokenizer(seed=0)

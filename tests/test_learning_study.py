@@ -174,7 +174,7 @@ def test_the_study_trains_with_the_config_its_yaml_asks_for_through_gear_trains_
     method, the task's hint kind and the device; nothing of `gear train`'s own defaults leaks."""
     import torch
 
-    from gear.config import trainer_args
+    from gear.app.config import trainer_args
     from gear.integrations.trl import GEARConfig
     from gear.tasks import get_task
 

@@ -40,7 +40,7 @@ def dirs(tmp_path, monkeypatch):
 
 
 def test_every_arm_is_the_default_recipe_with_keys_gear_train_accepts():
-    from gear.config import resolve_config
+    from gear.app.config import resolve_config
     from gear.integrations.trl import GEARConfig
 
     for arm, keys in ll.ARMS.items():
@@ -161,7 +161,7 @@ def test_the_committed_comparisons_are_reproduced_through_the_shared_analysis():
 
 
 def test_every_candidate_has_a_placebo_gear_train_accepts():
-    from gear.config import resolve_config
+    from gear.app.config import resolve_config
     from gear.integrations.trl import GEARConfig
 
     for arm in ll.CANDIDATES:
@@ -402,7 +402,7 @@ def test_placebo_runs_the_winners_missing_seeds_under_random_shape(study, pipeli
 
 
 def test_the_post_hoc_arms_are_keys_gear_train_accepts():
-    from gear.config import resolve_config
+    from gear.app.config import resolve_config
     from gear.integrations.trl import GEARConfig
 
     for keys in ll.POST_HOC.values():

@@ -13,11 +13,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from gear.cli import app
-from gear.config import resolve_config
-from gear.evaluate import eval_cache_key
+from gear.app.cli import app
+from gear.app.config import resolve_config
+from gear.app.evaluate import eval_cache_key
+from gear.app.train import learning_lines
 from gear.models import load_model_and_tokenizer
-from gear.run import learning_lines
 from gear.testing import save_tiny_model, tiny_run_args
 
 pytest.importorskip("peft")
@@ -105,7 +105,7 @@ def test_the_before_score_is_cached_only_for_the_embedded_model_and_keyed_by_the
 def test_evaluation_renders_prompts_with_the_runs_chat_template_kwargs():
     """Qwen3 thinks unless `enable_thinking: false` reaches its template: held-out prompts get
     the kwargs training's prompts get (`chat_template_kwargs`)."""
-    from gear.evaluate import render_prompts
+    from gear.app.evaluate import render_prompts
     from gear.testing import byte_tokenizer
 
     tok = byte_tokenizer()

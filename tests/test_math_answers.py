@@ -59,8 +59,8 @@ def test_a_percent_sign_does_not_make_different_numbers_equal():
 def test_cached_scores_of_the_math_task_graded_before_a_change_are_not_reused(
     tmp_path, monkeypatch
 ):
-    from gear.config import resolve_config
-    from gear.evaluate import eval_cache_key
+    from gear.app.config import resolve_config
+    from gear.app.evaluate import eval_cache_key
     from gear.tasks.math import MathTask
 
     path = tmp_path / "math.jsonl"

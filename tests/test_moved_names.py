@@ -10,21 +10,21 @@ import warnings
 import pytest
 
 MOVED = [
-    ("gear.run", "RunConfig", "gear.config"),
-    ("gear.run", "resolve_config", "gear.config"),
-    ("gear.run", "resolve_values", "gear.config"),
-    ("gear.run", "resume_config", "gear.config"),
-    ("gear.run", "recipe_names", "gear.config"),
-    ("gear.run", "trainer_args", "gear.config"),
-    ("gear.run", "checkpointing_field", "gear.config"),
-    ("gear.run", "CONFIG_DIR", "gear.config"),
-    ("gear.run", "cached_eval_before", "gear.evaluate"),
-    ("gear.run", "store_eval_before", "gear.evaluate"),
-    ("gear.run", "eval_cache_key", "gear.evaluate"),
-    ("gear.run", "RunStopped", "gear.run_callbacks"),
-    ("gear.run", "stop_signals", "gear.run_callbacks"),
-    ("gear.run_callbacks", "evaluate_now", "gear.evaluate"),
-    ("gear.run_callbacks", "EvalCallback", "gear.evaluate"),
+    ("gear.run", "RunConfig", "gear.app.config"),
+    ("gear.run", "resolve_config", "gear.app.config"),
+    ("gear.run", "resolve_values", "gear.app.config"),
+    ("gear.run", "resume_config", "gear.app.config"),
+    ("gear.run", "recipe_names", "gear.app.config"),
+    ("gear.run", "trainer_args", "gear.app.config"),
+    ("gear.run", "checkpointing_field", "gear.app.config"),
+    ("gear.run", "CONFIG_DIR", "gear.app.config"),
+    ("gear.run", "cached_eval_before", "gear.app.evaluate"),
+    ("gear.run", "store_eval_before", "gear.app.evaluate"),
+    ("gear.run", "eval_cache_key", "gear.app.evaluate"),
+    ("gear.run", "RunStopped", "gear.app.callbacks"),
+    ("gear.run", "stop_signals", "gear.app.callbacks"),
+    ("gear.run_callbacks", "evaluate_now", "gear.app.evaluate"),
+    ("gear.run_callbacks", "EvalCallback", "gear.app.evaluate"),
 ]
 
 

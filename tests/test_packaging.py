@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 import gear
-from gear.config import CONFIG_DIR, config_path, recipe_names, resolve_config
+from gear.app.config import CONFIG_DIR, config_path, recipe_names, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(gear.__file__).resolve().parent
 
 
 def test_recipes_live_in_the_package_and_resolve_by_name():
-    assert CONFIG_DIR == PACKAGE / "configs"
+    assert CONFIG_DIR == PACKAGE / "app" / "configs"
     assert {"default", "study"} <= set(recipe_names())
     for name in recipe_names():
         assert config_path(name).parent == CONFIG_DIR
@@ -69,8 +69,8 @@ def test_the_wheel_holds_the_recipes_and_gear_testing_and_only_gear(tmp_path):
     (wheel,) = tmp_path.glob("gear_rl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for recipe in recipe_names():
-        assert f"gear/configs/{recipe}.yaml" in names
-    assert "gear/testing.py" in names and "gear/precision.py" in names
+        assert f"gear/app/configs/{recipe}.yaml" in names
+    assert "gear/testing.py" in names and "gear/app/precision.py" in names
     # only gear ships: the studies and benchmarks are run from a checkout
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"gear"}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gear import precision as P
-from gear.config import RunConfig, trainer_args
-from gear.precision import choose_precision, cpu_flags, native_cpu_bf16
-from gear.run import build_trainer
+from gear.app import precision as P
+from gear.app.config import RunConfig, trainer_args
+from gear.app.precision import choose_precision, cpu_flags, native_cpu_bf16
+from gear.app.train import build_trainer
 from gear.tasks import get_task
 from gear.testing import byte_tokenizer, tiny_model
 

@@ -9,7 +9,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from gear.cli import app
+from gear.app.cli import app
 
 runner = CliRunner()
 

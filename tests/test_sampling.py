@@ -1,4 +1,4 @@
-"""gear.sampling: evaluation's sampler draws each problem's samples from its own seeds, exactly
+"""gear.app.sampling: evaluation's sampler draws each problem's samples from its own seeds, exactly
 from softmax(logits / T), and the held-out metric built on it is reproducible (a model scored
 twice gives the same scores: the placebo of issue 35's rule)."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from gear.evaluate import evaluate
-from gear.sampling import sample, text_seed
+from gear.app.evaluate import evaluate
+from gear.app.sampling import sample, text_seed
 from gear.tasks.arithmetic import ArithmeticTask
 from gear.testing import byte_tokenizer, tiny_model
 
@@ -102,11 +102,11 @@ def test_bad_arguments_are_refused_before_any_work(model, tok):
 
 def test_the_draws_of_this_eval_version_are_pinned(model, tok):
     """Cached before-training scores are keyed by `EVAL_VERSION`, not by source text: if this
-    fails, the sampler's draws changed, so bump `gear.sampling.EVAL_VERSION` and update these."""
+    fails, the sampler's draws changed, so bump `gear.app.sampling.EVAL_VERSION` and update these."""
     import hashlib
     import json
 
-    from gear.sampling import EVAL_VERSION
+    from gear.app.sampling import EVAL_VERSION
 
     seeds = [text_seed(p) for p in ("What is 2 + 3?", "7 * 6")]
     out = sample(
@@ -125,7 +125,7 @@ def test_an_evaluation_in_a_log_prints_its_progress_a_batch_at_a_time(model, tok
 
     from rich.console import Console
 
-    from gear.evaluate import evaluate_now
+    from gear.app.evaluate import evaluate_now
 
     log = io.StringIO()
     cfg = types.SimpleNamespace(eval_n=5, eval_samples=2, eval_temperature=0.0,

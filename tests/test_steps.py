@@ -145,7 +145,7 @@ def test_expressions_are_evaluated_safely():
 
 # ---------------------------------------------------------------------------- the task option
 def test_arithmetic_blames_the_token_by_default_and_the_step_on_request():
-    from gear.config import resolve_config
+    from gear.app.config import resolve_config
 
     assert ArithmeticTask(mix="chain:1").step_checker() is first_wrong_token_span
     cfg = resolve_config(None, {"task_options": {"mix": "chain:1", "error_span": "step"}})

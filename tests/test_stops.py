@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gear.run_callbacks import STAGING, _publish, last_checkpoint, read_metrics
+from gear.app.callbacks import STAGING, _publish, last_checkpoint, read_metrics
 from gear.testing import save_tiny_model, tiny_run_args
 
 # what a complete HF checkpoint holds besides its weights (trainer_state.json is written last but
@@ -35,12 +35,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 class GearTrain:
-    """`python -m gear.cli train ...` with its output read line by line on a thread."""
+    """`python -m gear.app.cli train ...` with its output read line by line on a thread."""
 
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gear.cli", "train", *args],
+            [sys.executable, "-m", "gear.app.cli", "train", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -257,7 +257,7 @@ def test_a_run_prints_nothing_from_libraries_it_does_not_use(tiny_dir, tmp_path)
         "import atexit, sys\n"
         "atexit.register(lambda: print('imported:', sorted(m for m in ('bitsandbytes',"
         " 'deepspeed') if sys.modules.get(m))))\n"
-        "from gear.cli import app\n"
+        "from gear.app.cli import app\n"
         "app()\n"
     )
     args = ["train", "--model", str(tiny_dir), "--steps", "1", "--output-dir", str(tmp_path / "r")]
@@ -279,7 +279,7 @@ def hide_unused_packages_in_a_subprocess(argv: list[str]) -> str:
     """What `hide_unused_packages(argv)` leaves importable (a fresh process: a test process has
     imported them all already)."""
     program = (
-        "import sys; from gear.cli import hide_unused_packages\n"
+        "import sys; from gear.app.cli import hide_unused_packages\n"
         f"hidden = hide_unused_packages({argv!r})\n"
         "print(sorted(set(('bitsandbytes', 'deepspeed')) - set(hidden)))\n"
     )
@@ -291,7 +291,7 @@ def hide_unused_packages_in_a_subprocess(argv: list[str]) -> str:
 def test_metrics_readers_take_each_step_once_the_last_record_winning(tmp_path):
     """A metrics.jsonl written by an older gear after kill -9 and --resume: steps 4 and 5 twice,
     and a line cut short. `read_metrics`, `gear compare` and the plots see each step once."""
-    from gear.run_callbacks import read_metrics, truncate_run_logs
+    from gear.app.callbacks import read_metrics, truncate_run_logs
     from gear.viz.plots import plot_metrics
 
     metrics = tmp_path / "metrics.jsonl"
@@ -320,7 +320,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_dir, tmp_path, inherited):
     Ctrl-C during a run and afterwards leaves the disposition it found (issue 29)."""
     from typer.testing import CliRunner
 
-    from gear.cli import app
+    from gear.app.cli import app
 
     # set either way: pytest itself may run with SIGINT ignored (`nohup pytest &`)
     found = signal.default_int_handler if inherited == "default" else signal.SIG_IGN
@@ -374,9 +374,9 @@ def test_last_checkpoint_ignores_staging_leftovers(tmp_path):
 def test_atomic_checkpoints_keep_the_ema_teachers_weights_in_the_published_checkpoint(tmp_path):
     """GEARTrainer adds its teacher's weights to each checkpoint; the staging redirect must
     carry them into the renamed checkpoint, and rotation must keep `save_total_limit`."""
+    from gear.app.callbacks import atomic_checkpoints
     from gear.integrations.trl import GEARTrainer
     from gear.integrations.trl.config import GEARConfig
-    from gear.run_callbacks import atomic_checkpoints
     from gear.testing import byte_tokenizer, dataset, fast_kwargs, hash_reward, tiny_model
 
     tok = byte_tokenizer()
@@ -400,9 +400,9 @@ def test_an_evaluation_ended_by_a_signal_leaves_the_model_training(monkeypatch):
     """Issue 29: a stop signal during a periodic evaluation left the model in eval mode, so
     TRL's `log` read its (empty) eval metrics and the checkpointed step's metrics row lost
     `reward`, `gear/*` and the completion statistics. The signal is raised inside generation."""
-    import gear.evaluate
+    import gear.app.evaluate
+    from gear.app.callbacks import EvalInterrupted
     from gear.models import tiny_model_and_tokenizer
-    from gear.run_callbacks import EvalInterrupted
     from gear.tasks.arithmetic import ArithmeticTask
 
     model, tok = tiny_model_and_tokenizer()
@@ -411,9 +411,9 @@ def test_an_evaluation_ended_by_a_signal_leaves_the_model_training(monkeypatch):
     def stopped(*args, **kwargs):
         raise EvalInterrupted(signal.SIGTERM)
 
-    monkeypatch.setattr(gear.evaluate, "generate", stopped)
+    monkeypatch.setattr(gear.app.evaluate, "generate", stopped)
     with pytest.raises(EvalInterrupted):
-        gear.evaluate.evaluate(model, tok, ArithmeticTask(), n=2)
+        gear.app.evaluate.evaluate(model, tok, ArithmeticTask(), n=2)
     assert model.training
 
 
@@ -427,16 +427,16 @@ def test_a_stop_during_a_periodic_evaluation_keeps_every_checkpointed_steps_full
     set was still being built, where the bug did not show."""
     from typer.testing import CliRunner
 
-    import gear.evaluate
-    from gear.cli import app
+    import gear.app.evaluate
+    from gear.app.cli import app
 
-    generate = gear.evaluate.generate
+    generate = gear.app.evaluate.generate
 
     def generate_then_stop(*args, **kwargs):
         signal.raise_signal(signal.SIGTERM)  # gear's handler raises here, mid-generation
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(gear.evaluate, "generate", generate_then_stop)
+    monkeypatch.setattr(gear.app.evaluate, "generate", generate_then_stop)
     run_dir = without_eval_before(tmp_path / "run")
     args = ["train", "--model", str(tiny_dir), "--steps", "40", "--output-dir", str(run_dir)]
     args += tiny_run_args(eval_every=2, eval_n=2, save_steps=1000)
@@ -462,8 +462,8 @@ def test_an_evaluation_callback_ended_by_a_signal_hands_the_model_back_training(
 
     import torch
 
-    import gear.evaluate as ev
-    import gear.run_callbacks as rc
+    import gear.app.callbacks as rc
+    import gear.app.evaluate as ev
 
     def interrupted(model, *args, **kwargs):
         model.eval()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gear import suite
-from gear.cli import app
+from gear.app import suite
+from gear.app.cli import app
 from gear.models import tiny_model_and_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -281,7 +281,7 @@ def test_progress_goes_to_the_gear_suite_logger(tiny, tmp_path, caplog):
                             for i in range(3)))  # fmt: skip
     paths = {n: str(data) for n in suite.SUITES["paper-math"]} | {"gsm8k": str(_gsm8k(tmp_path))}
     settings = suite.Settings("paper-math", paths=paths, k=1, max_new_tokens=2, batch_size=2)
-    with caplog.at_level(logging.INFO, logger="gear.suite"):
+    with caplog.at_level(logging.INFO, logger="gear.app.suite"):
         suite.run(str(model), settings, tmp_path / "out")
     lines = [r.getMessage() for r in caplog.records if "/3 problems" in r.getMessage()]
     assert len(lines) == 8  # 2 batches x 4 sets

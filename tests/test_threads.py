@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gear import threads
+from gear.app import threads
 
 
 def test_free_cores_leave_at_least_one():
@@ -43,8 +43,8 @@ def test_busy_cores_are_the_machines_busy_time_less_this_process(monkeypatch):
 
 
 def test_gear_train_says_its_threads_and_restores_them(monkeypatch):
-    from gear.config import resolve_config
-    from gear.run import cpu_threads
+    from gear.app.config import resolve_config
+    from gear.app.train import cpu_threads
 
     said = []
 

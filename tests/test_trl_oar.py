@@ -198,7 +198,7 @@ def test_gear_train_runs_oar_p(tmp_path):
     and logs the masked-copy pass's time."""
     from typer.testing import CliRunner
 
-    from gear.cli import app
+    from gear.app.cli import app
     from gear.testing import save_tiny_model, tiny_run_args
 
     model = save_tiny_model(tmp_path / "tiny", vocab="bytes")

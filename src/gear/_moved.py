@@ -1,11 +1,36 @@
-"""Names that moved to another module keep their old import for a while, with a warning."""
+"""Names and modules that moved keep their old import for a while, with a warning.
+
+A name: `moved` makes a module-level `__getattr__` that finds it in its new module. A module:
+`MOVED_MODULES` maps its old path to its new one (issue 68 put the program in `gear.app`);
+`gear/__init__.py` installs `MovedModules`, so `import gear.cli` gives the module `gear.app.cli`
+itself (the same object: a test that patches `gear.run.train` patches `gear.app.train.train`)
+with a DeprecationWarning naming the new path, and `python -m gear.cli` runs `gear.app.cli`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from collections.abc import Callable
+from types import CodeType, ModuleType
 from typing import Any
+
+#: old module path -> its new one (one release: a DeprecationWarning names the new path)
+MOVED_MODULES = {
+    "gear.cli": "gear.app.cli",
+    "gear.config": "gear.app.config",
+    "gear.run": "gear.app.train",
+    "gear.run_callbacks": "gear.app.callbacks",
+    "gear.evaluate": "gear.app.evaluate",
+    "gear.sampling": "gear.app.sampling",
+    "gear.suite": "gear.app.suite",
+    "gear.precision": "gear.app.precision",
+    "gear.threads": "gear.app.threads",
+    "gear.compare": "gear.app.compare",
+}
 
 
 def moved(old: str, homes: dict[str, str]) -> Callable[[str], Any]:
@@ -25,3 +50,43 @@ def moved(old: str, homes: dict[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(home), name)
 
     return __getattr__
+
+
+def _warn(old: str) -> None:
+    new = MOVED_MODULES[old]
+    warnings.warn(f"{old} moved to {new}: import {new}", DeprecationWarning, stacklevel=3)
+
+
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The import system's finder and loader of `MOVED_MODULES`: an old path is the new module."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        new = MOVED_MODULES.get(name)
+        if new is None:
+            return None
+        real = importlib.util.find_spec(new)
+        # the new file as origin: `python -m gear.cli` runs it with its own __file__
+        return importlib.util.spec_from_loader(
+            name, self, origin=real.origin, is_package=real.submodule_search_locations is not None
+        )
+
+    def create_module(self, spec: Any) -> ModuleType:
+        _warn(spec.name)
+        module = importlib.import_module(MOVED_MODULES[spec.name])
+        spec.loader_state = module.__spec__  # the import system sets __spec__: put it back
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = module.__spec__.loader_state  # executed already, under its new path
+
+    def get_code(self, name: str) -> CodeType | None:
+        """For `python -m OLD`: the new module's code (runpy runs it as __main__)."""
+        _warn(name)
+        real = importlib.util.find_spec(MOVED_MODULES[name])
+        return real.loader.get_code(real.name)
+
+
+def install() -> None:
+    """Put `MovedModules` on the import path (once)."""
+    if not any(isinstance(f, MovedModules) for f in sys.meta_path):
+        sys.meta_path.append(MovedModules())

@@ -5,12 +5,12 @@ A `Check` says what values a field takes beyond its type (`learning_rate` >= 0, 
 metadata (`metadata={"help": ..., "check": Check(ge=1)}`; the settings TRL and verl share are
 declared once, in `gear.settings`); fields inherited from TRL's `GRPOConfig` get theirs from a
 table in `gear.integrations.trl.config`. `gear train` checks every key it is given before it
-loads a model or writes a file (`gear.config.resolve_config`); `check_fields` checks every field of
-`GEARConfig` and of verl's `gear:` section when one is made, so the Python API and a verl launch
-refuse the same values with the same message.
+loads a model or writes a file (`gear.app.config.resolve_config`); `check_fields` checks every
+field of `GEARConfig` and of verl's `gear:` section when one is made, so the Python API and a
+verl launch refuse the same values with the same message.
 
 Plain dataclasses, no validation library: the checks are a handful of bounds and value sets,
-and gear's type checks (YAML-specific lossless conversions, `gear.config.check_value`) stay as
+and gear's type checks (YAML-specific lossless conversions, `gear.app.config.check_value`) stay as
 they are.
 """
 
@@ -32,7 +32,7 @@ class Check:
     """What values a field accepts: bounds (`ge`, `gt`, `le`, `lt`), whole numbers only
     (`integer`), a set of `choices`, or a `test` with its description `expect`; `also`: extra
     accepted values (e.g. `None`, or HF's `-1` meaning "not set"). A field's type is checked
-    elsewhere (`gear.config.check_value`), except that `integer` refuses 2.5 where no such check
+    elsewhere (`gear.app.config.check_value`), except that `integer` refuses 2.5 where no such check
     runs (the Python API, a verl config)."""
 
     ge: float | None = None

@@ -6,7 +6,7 @@ python -m studies.archive.learning_study aggregate    # JSON + table + figure fr
 ```
 
 Every run trains SmolLM2-135M-Instruct with `studies/archive/learning_study.yaml`, through `gear
-train`'s recipe (`gear.run`: the same GEARConfig, model, data and trainer); only the credit
+train`'s recipe (`gear.app.train`: the same GEARConfig, model, data and trainer); only the credit
 method and the seed differ. Runs of one seed see the same prompts in the same order and start from
 the same (pretrained) weights. All runs are scored on one fixed held-out set (test split, seed 0),
 greedy pass@1, keeping each problem's correctness, so differences can be bootstrapped over seeds
@@ -107,7 +107,7 @@ def held_out(model: Any, tokenizer: Any, task: Any, args: argparse.Namespace) ->
     """Greedy pass@1 on the fixed held-out set, with each problem's correctness (0/1)."""
     import torch
 
-    from gear.evaluate import evaluate
+    from gear.app.evaluate import evaluate
 
     rng = torch.random.get_rng_state()  # evaluation must not move the training's sampling RNG
     t0 = time.time()
@@ -226,9 +226,9 @@ def forget_after(run_dir: Path, step: int) -> None:
 
 
 def run_config(cfg: dict[str, Any], method: str, seed: int, run_dir: Path) -> Any:
-    """The study's run of `method` and `seed` as a `gear train` config (`gear.config.RunConfig`),
+    """The study's run of `method` and `seed` as a `gear train` config (`gear.app.config.RunConfig`),
     every key checked as `gear train` checks it."""
-    from gear.config import resolve_values
+    from gear.app.config import resolve_values
 
     trainer = dict(cfg["trainer"]) | {"credit_method": method}
     return resolve_values(cfg | {"trainer": trainer, "seed": seed, "output_dir": str(run_dir)})
@@ -236,11 +236,11 @@ def run_config(cfg: dict[str, Any], method: str, seed: int, run_dir: Path) -> An
 
 def train_one(cfg: dict[str, Any], method: str, seed: int, args: argparse.Namespace) -> Path:
     """Train (or resume) one run; write its result file; return that file. The trainer is
-    `gear train`'s (gear.run), built from `run_config`."""
+    `gear train`'s (gear.app.train), built from `run_config`."""
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.config import trainer_args
-    from gear.run import build_trainer, load_model_and_data
+    from gear.app.config import trainer_args
+    from gear.app.train import build_trainer, load_model_and_data
     from gear.tasks import get_task
 
     run_dir = args.work / f"{method}-seed{seed}"

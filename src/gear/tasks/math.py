@@ -218,7 +218,7 @@ class MathTask(Task):
     name = "math"
     hint_kind = "math"
     #: how `is_correct` grades, as a number: part of the key of cached before-training scores
-    #: (`gear.evaluate.eval_cache_key`), so scores graded before a change are not reused.
+    #: (`gear.app.evaluate.eval_cache_key`), so scores graded before a change are not reused.
     #: 2: `\\boxed5` read, a trailing percent sign ignored (issue 69).
     grading_version = 2
 

@@ -1,4 +1,4 @@
-"""The figure of a `gear compare` report (gear.compare): learning curves beside the paired
+"""The figure of a `gear compare` report (gear.app.compare): learning curves beside the paired
 differences with their intervals."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gear.config import RunConfig
+    from gear.app.config import RunConfig
 
 SUMMARY_TODO = (
     "restore it from a copy, or remove it: the run then scores the model before training "
@@ -28,8 +28,8 @@ class Preflight:
     """A run checked and ready for its model: what `gear train` builds before loading it."""
 
     task: Any  # gear.tasks.Task
-    precision: Any  # gear.precision.Precision
-    args: Any  # the GEARConfig (`gear.config.trainer_args`)
+    precision: Any  # gear.app.precision.Precision
+    args: Any  # the GEARConfig (`gear.app.config.trainer_args`)
     peft_config: Any  # the LoraConfig (`lora_config`), None for full fine-tuning
     run_dir: Path
     train_dataset: Any  # the rows the run trains on
@@ -42,7 +42,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False)
     `default_run_dir`) checks before its model loads; `resume`: the run continues the one in
     `run_dir`. A ValueError (an `InputError` for a file), or NotImplementedError, names what is
     wrong; nothing is written."""
-    from gear.config import (
+    from gear.app.config import (
         check_resume_steps,
         check_task_method,
         default_run_dir,

@@ -6,7 +6,7 @@ single-turn categories, the `bfcl` task's test split). Each is scored as papers 
 
 - greedy pass@1 on MATH-500, GSM8K and BFCL;
 - avg@k (the mean accuracy of k samples per problem at a temperature) and pass@k (the unbiased
-  estimator of Chen et al. 2021, `gear.evaluate.pass_at_k`) on AIME, whose 30 problems make a
+  estimator of Chen et al. 2021, `gear.app.evaluate.pass_at_k`) on AIME, whose 30 problems make a
   single greedy pass too noisy;
 - a 95% interval on each: the Wilson score interval of the mean of the per-problem scores (see
   `wilson`), and, beside a base model, the paired difference over problems with its t-interval
@@ -16,7 +16,7 @@ Every benchmark's result is written atomically, as soon as it is scored, to
 `OUT/suite_<suite>/<model|base>/<benchmark>.json` with the settings that determine it (the
 model's identity, the problems, the template, k, temperature, max_new_tokens, limit, seed): a
 suite stopped part way continues from the benchmarks already scored, and a result whose settings
-differ is scored again. Progress goes to the `gear.suite` logger, one line per batch, and to
+differ is scored again. Progress goes to the `gear.app.suite` logger, one line per batch, and to
 `OUT/suite_<suite>/suite.log`. The table is `OUT/suite_<suite>.md` and `.json`.
 
 `plan` checks everything a suite reads (the suite's name, k, the temperature, each data file and
@@ -38,12 +38,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gear.evaluate import evaluate, pass_at_k
+from gear.app.evaluate import evaluate, pass_at_k
 from gear.evidence import paired, write_json, write_text
 from gear.tasks import get_task
 from gear.tasks.base import Task
 
-log = logging.getLogger("gear.suite")
+log = logging.getLogger("gear.app.suite")
 
 DATA_ENV = "GEAR_DATA_DIR"  # the data directory, named once (`--data-dir` overrides it)
 SPLIT = "test"
@@ -242,7 +242,7 @@ def difference(model: dict[str, float], base: dict[str, float]) -> dict[str, Any
 
 @contextlib.contextmanager
 def _logging_to(path: Path, stream: TextIO | None) -> Iterator[None]:
-    """The `gear.suite` logger also writes to `path` (appended: a resumed suite's lines follow
+    """The `gear.app.suite` logger also writes to `path` (appended: a resumed suite's lines follow
     the stopped one's) and to `stream`, while the block runs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handlers: list[logging.Handler] = [logging.FileHandler(path, encoding="utf-8")]

@@ -1,7 +1,8 @@
 """What happens around training in `gear train`: the metrics file, progress with ETA, clean
 stops on SIGTERM / SIGINT (`stop_signals` installs the handler, `SignalStop` ends training after
 the step, `RunStopped` ends the run) and checkpoints that appear complete or not at all.
-Evaluation during a run (`EvalCallback`) lives with the rest of evaluation, in `gear.evaluate`."""
+Evaluation during a run (`EvalCallback`) lives with the rest of evaluation, in
+`gear.app.evaluate`."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from transformers import TrainerCallback
 from gear._moved import moved
 from gear.evidence import write_text
 
-# Evaluation during a run moved to gear.evaluate (issue 50): `from gear.run_callbacks import
-# NAME` still gives it, with a DeprecationWarning naming the new import.
+# Evaluation during a run moved to gear.app.evaluate (issue 50): `from gear.app.callbacks
+# import NAME` (gear.run_callbacks before issue 68) still gives it, with a DeprecationWarning.
 _EVALUATE = "plain_forward evaluate_now _scores _evaluate_with_progress EvalCallback"
-__getattr__ = moved(__name__, dict.fromkeys(_EVALUATE.split(), "gear.evaluate"))
+__getattr__ = moved(__name__, dict.fromkeys(_EVALUATE.split(), "gear.app.evaluate"))
 
 
 def _clean(value: Any) -> Any:
@@ -233,7 +234,7 @@ class EvalInterrupted(BaseException):
 class SignalStop(TrainerCallback):
     """Ends training cleanly after a stop signal: at the end of the current step the trainer
     saves a checkpoint and stops (`stop_signals` installs the handler that calls `request`).
-    Register it after `gear.evaluate.EvalCallback`, so a signal during a periodic evaluation
+    Register it after `gear.app.evaluate.EvalCallback`, so a signal during a periodic evaluation
     saves the step that evaluation follows; a signal during a checkpoint save stops right after
     it. Under torch.distributed every rank stops at the same step (the flag is reduced with
     max), so no rank waits in a collective for one that left."""

@@ -2,7 +2,7 @@
 
 Configuration is a flat mapping: `RunConfig` fields plus any `GEARConfig` field (TRL's
 `GRPOConfig` fields and gear's `credit_*`, `teacher`, ... fields). The recipes shipped in the
-package (`gear/configs/*.yaml`: `default`, `study`) give whole setups; command-line
+package (`gear/app/configs/*.yaml`: `default`, `study`) give whole setups; command-line
 `--set key=value` overrides one key. Every value is checked against its field's type and its
 declared constraint (`gear.constraints`) before anything is loaded or written
 (`resolve_config`, `resolve_values`).
@@ -83,7 +83,7 @@ class RunConfig:
 
 
 def recipe_names() -> list[str]:
-    """Names of the recipes shipped in the package (`gear/configs/*.yaml`)."""
+    """Names of the recipes shipped in the package (`gear/app/configs/*.yaml`)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
@@ -428,7 +428,7 @@ def resume_config(
 
 def check_resume_steps(max_steps: int, run_dir: Path) -> None:
     """A ValueError when `max_steps` ends a resumed run before its last checkpoint's step."""
-    from gear.run_callbacks import checkpoint_step, last_checkpoint
+    from gear.app.callbacks import checkpoint_step, last_checkpoint
 
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is not None and 0 < max_steps < checkpoint_step(checkpoint):
@@ -452,9 +452,9 @@ def _on_cpu(cfg: RunConfig) -> bool:
 
 
 def run_precision(cfg: RunConfig) -> Any:
-    """The `gear.precision.Precision` of a run: its `bf16` setting ("auto" by default) resolved
+    """The `gear.app.precision.Precision` of a run: its `bf16` setting ("auto" by default) resolved
     for this machine and device."""
-    from gear.precision import choose_precision
+    from gear.app.precision import choose_precision
 
     return choose_precision(cfg.trainer.get("bf16", "auto"), use_cpu=_on_cpu(cfg))
 

@@ -24,63 +24,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from typer.core import TyperGroup
 
-# Optional packages that transformers, accelerate, TRL and PEFT import merely because they are
-# installed, for features `gear train` and `gear compare` do not have: bitsandbytes (PEFT and
-# TRL's vLLM module; on an AVX512-BF16 CPU its import warns "Failed to load CPU
-# gemm_4bit_forward from kernels-community"; LoRA runs do not need it) and DeepSpeed
-# (accelerate imports it to unwrap models; its accelerator probe warns "Setting accelerator to
-# CPU"). Those commands run without them: seconds of
-# imports and two warnings about features the run does not use spared. DeepSpeed stays
-# importable when a run may use it (the word in the command line or its config files, or
-# `accelerate launch --use_deepspeed`).
-UNUSED_PACKAGES = ("bitsandbytes", "deepspeed")
-TRAINING_COMMANDS = ("train", "compare")
-
-
-def _mentions(argv: list[str], word: str) -> bool:
-    """Whether `word` occurs in the arguments, or in a file or run directory's config.yaml
-    they name (a config recipe, `--resume RUN_DIR`)."""
-    for arg in argv:
-        if word in arg:
-            return True
-        path = Path(arg)
-        for candidate in (path, path / "config.yaml"):
-            try:
-                if candidate.is_file() and word in candidate.read_text(errors="replace"):
-                    return True
-            except OSError:
-                continue
-    return False
-
-
-def hide_unused_packages(argv: list[str]) -> list[str]:
-    """Make `UNUSED_PACKAGES` unavailable to this process (`sys.modules[name] = None`: the
-    availability checks of transformers, accelerate, TRL and PEFT then find nothing, an import
-    raises ImportError) when the command is a training one; returns the names hidden. Only for
-    the `gear` program itself, before anything imports transformers: a package already imported
-    is left alone."""
-    argv = [arg for arg in argv if arg != "--debug"]  # the one option before the command
-    if not argv or argv[0] not in TRAINING_COMMANDS:
-        return []
-    hidden = []
-    for name in UNUSED_PACKAGES:
-        if name in sys.modules:
-            continue
-        if name == "deepspeed" and (
-            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
-            or _mentions(argv[1:], "deepspeed")
-        ):
-            continue
-        sys.modules[name] = None  # type: ignore[assignment]
-        hidden.append(name)
-    return hidden
+from gear.app.unused_packages import hide_unused_packages
 
 
 class _Gear(typer.Typer):
-    """The `gear` program: its entry point (the console script, `python -m gear.cli`) first
+    """The `gear` program: its entry point (the console script, `python -m gear.app.cli`) first
     hides the optional packages a training command does not use. `typer.testing.CliRunner`
     does not come through here, so a test process keeps every package it has."""
 
@@ -102,7 +52,7 @@ class _Commands(TyperGroup):
             _fail(str(e))
 
 
-#: the recipes shipped in the package (gear/configs/*.yaml), listed in --help so it cannot drift
+#: the recipes shipped in the package (gear/app/configs/*.yaml), listed in --help so it cannot drift
 _RECIPES = ", ".join(sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml")))
 
 app = _Gear(
@@ -169,7 +119,7 @@ NAMED_KEYS = {"method": "credit_method", "steps": "max_steps"}  # option -> conf
 
 
 def _overrides(pairs: list[str] | None, **named: Any) -> dict[str, Any]:
-    from gear.config import parse_value
+    from gear.app.config import parse_value
 
     out: dict[str, Any] = {}
     for pair in pairs or []:
@@ -231,9 +181,9 @@ def train(
     `credit_log_steps`, `credit_log_rows`); an option that would change anything else is an
     error, never ignored.
     """
-    from gear.config import resolve_config, resume_config
-    from gear.run import train as run_train
-    from gear.run_callbacks import RunStopped
+    from gear.app.callbacks import RunStopped
+    from gear.app.config import resolve_config, resume_config
+    from gear.app.train import train as run_train
 
     named = dict(
         model=model, task=task, method=method, steps=steps, seed=seed, output_dir=output_dir
@@ -264,11 +214,11 @@ def train(
 
 
 def _dry_run(cfg: Any, run_dir: Path | None, resume: bool) -> None:
-    """Everything `gear train` checks before loading a model (`gear.preflight`), then the
+    """Everything `gear train` checks before loading a model (`gear.app.preflight`), then the
     resolved config."""
     import yaml
 
-    from gear.preflight import preflight
+    from gear.app.preflight import preflight
 
     pre = preflight(cfg, run_dir, resume=resume)
     precision, run_dir = pre.precision, pre.run_dir
@@ -352,157 +302,39 @@ def eval_(
     k = --samples) from `--data-dir`, a run's model beside its base model, with 95% intervals,
     into suite_paper-math.md / .json; the same command resumes a stopped suite (docs/usage.md).
     """
+    from gear.app.eval_target import eval_settings, evaluate_suite, evaluate_task
+
     if suite is not None:
         if task is not None or task_option or n is not None or split != "test":
             _fail("--suite scores its own sets: --task, --task-option, --split and --n do not "
                   "apply (--limit N takes the first N problems of each set)")  # fmt: skip
-        _eval_suite(target, suite, data_dir, suite_path, limit, base, samples, temperature,
-                    max_new_tokens, batch_size, seed, out, set_)  # fmt: skip
-        return
-    if limit is not None or base is not None or suite_path:
+    elif limit is not None or base is not None or suite_path:
         _fail("--limit, --base and --suite-path go with --suite (--n takes N problems of a task)")
-    n = 100 if n is None else n
-    samples = 1 if samples is None else samples
-    temperature = 0.0 if temperature is None else temperature
-    max_new_tokens = 128 if max_new_tokens is None else max_new_tokens
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
-    from gear.evaluate import evaluate, write_report
-    from gear.inputs import evaluation_target
-    from gear.models import load_model_and_tokenizer
-    from gear.tasks import get_task
-
-    path = Path(target)
-    model_path, run_cfg, note = evaluation_target(target)  # checked before any model is loaded
-    options = dict(run_cfg.get("task_options") or {}) if task in (None, run_cfg.get("task")) else {}
-    settings = _eval_settings(set_)
-    options.update(settings.get("task_options", {}))
-    options.update(_overrides(task_option))
-    template_kwargs = settings.get(
-        "chat_template_kwargs", (run_cfg.get("trainer") or {}).get("chat_template_kwargs")
-    )
-    task_name = task or run_cfg.get("task") or "arithmetic"
     try:
-        t = get_task(task_name, **options)
-        t.dataset(split, n=n, seed=seed)  # a missing or damaged data file: said before loading
-        if note:
-            console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
-        model, tokenizer = load_model_and_tokenizer(model_path)
-    except (ValueError, OSError, RuntimeError) as e:
-        _fail(str(e))
-    with Progress(
-        TextColumn(f"[bold]eval {task_name}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-    ) as bar:
-        job = bar.add_task("eval", total=n)
-        try:
-            result = evaluate(
-                model,
-                tokenizer,
-                t,
-                split=split,
-                n=n,
-                samples=samples,
-                temperature=temperature,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                seed=seed,
-                progress=lambda d, tot: bar.update(job, completed=d, total=tot),
-                chat_template_kwargs=template_kwargs,
-            )
-        except (ValueError, OSError) as e:
-            _fail(str(e))
-    out_dir = out or (path if path.is_dir() else Path("."))
-    report = write_report(out_dir, model_path, task_name, result)
-    table = Table(title=f"{task_name}/{split}: {result.n_problems} problems")
-    for k in result.pass_at:
-        table.add_column(f"pass@{k}")
-    table.add_row(*(f"{v:.3f}" for v in result.pass_at.values()))
-    console.print(table)
-    if n is not None and result.n_problems < n:
-        console.print(
-            f"[yellow]note:[/] {task_name}/{split} has {result.n_problems} problems; all of them "
-            f"were evaluated (--n asked for {n})"
-        )
-    console.print(f"wrote {report} and .md")
-
-
-EVAL_SET_KEYS = ("task_options", "chat_template_kwargs")  # the config keys gear eval reads
-
-
-def _eval_suite(target: str, name: str, data_dir: str | None, paths: list[str] | None,
-                limit: int | None, base: str | None, samples: int | None,
-                temperature: float | None, max_new_tokens: int | None, batch_size: int,
-                seed: int, out: Path | None, set_: list[str] | None) -> None:  # fmt: skip
-    """`gear eval --suite`: check everything before a model loads, then `gear.suite.run`."""
-    from gear import suite
-    from gear.inputs import evaluation_target
-
-    model_path, run_cfg, note = evaluation_target(target)
-    settings = _eval_settings(set_)
-    if "task_options" in settings:
-        _fail("--suite: --set task_options does not apply (each set has its own task)")
-    defaults = suite.Settings(name)
-    pairs = [pair.partition("=") for pair in paths or []]
-    for pair in paths or []:
-        if "=" not in pair:
-            _fail(f"--suite-path {pair!r}: expected NAME=PATH (NAME: math500, aime24, ...)")
-    try:
-        cfg = suite.Settings(
-            name,
-            data_dir=data_dir,
-            paths={k.strip(): v.strip() for k, _, v in pairs},
-            k=defaults.k if samples is None else samples,
-            temperature=defaults.temperature if temperature is None else temperature,
-            max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            limit=limit,
-            batch_size=batch_size,
-            seed=seed,
-            chat_template_kwargs=settings.get(
-                "chat_template_kwargs", (run_cfg.get("trainer") or {}).get("chat_template_kwargs")
-            ),
-        )
-        planned = suite.plan(cfg)  # every option and data file, before any model loads
-    except suite.SuiteError as e:
-        _fail(str(e))
-    if note:
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
-    base = base or run_cfg.get("model")
-    out_dir = out or (Path(target) if Path(target).is_dir() else Path("."))  # as gear eval
-    try:
-        result = suite.run(model_path, cfg, out_dir, base, planned, log_stream=sys.stderr)
+        settings = eval_settings(_overrides(set_))
+        if suite is not None:
+            evaluate_suite(target, suite, data_dir=data_dir, paths=suite_path, limit=limit,
+                           base=base, samples=samples, temperature=temperature,
+                           max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+                           settings=settings, out=out, console=console)  # fmt: skip
+            return
+        evaluate_task(
+            target, task, split, 100 if n is None else n,
+            samples=1 if samples is None else samples,
+            temperature=0.0 if temperature is None else temperature,
+            max_new_tokens=128 if max_new_tokens is None else max_new_tokens,
+            batch_size=batch_size, seed=seed, task_options=_overrides(task_option),
+            settings=settings, out=out, console=console,
+        )  # fmt: skip
+    except typer.Exit:  # _fail's own (a RuntimeError)
+        raise
     except (ValueError, OSError, RuntimeError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
+        if suite is None:
+            raise
         console.print("stopped: the same command continues from the benchmarks already scored")
         raise typer.Exit(130) from None
-    console.print(suite.markdown(result), highlight=False, soft_wrap=True, markup=False)
-    console.print(f"wrote {out_dir / f'suite_{name}.json'} and .md", highlight=False)
-
-
-def _eval_settings(pairs: list[str] | None) -> dict[str, dict[str, Any]]:
-    """The config keys `gear eval --set` gives: `EVAL_SET_KEYS` only (the rest of a run's
-    config does not apply to an evaluation; its own options do), each a mapping."""
-    sets = _overrides(pairs)
-    others = sorted(k for k in sets if k not in EVAL_SET_KEYS)
-    if others:
-        _fail(
-            f"gear eval --set takes {' and '.join(EVAL_SET_KEYS)} only, got {others}; the "
-            "evaluation's settings are its options (--n, --samples, --temperature, ...)"
-        )
-    for key, value in sets.items():
-        if not isinstance(value, dict):
-            _fail(f"--set {key}: expected a mapping such as '{{path: data}}', got {value!r}")
-    return sets
 
 
 @app.command()
@@ -517,40 +349,12 @@ def inspect(
     A run that has no final model (it stopped before it finished) shows the records it wrote,
     and the output says so and names its newest complete checkpoint.
     """
-    from gear.inputs import (
-        checkpoints,
-        is_run_dir,
-        newest_complete,
-        run_config_file,
-        unfinished_note,
-    )
-    from gear.viz.html import write_credit_html
-    from gear.viz.plots import plot_trajectory
-    from gear.viz.record import read_credit_records, trajectory_row
+    from gear.app.inspect_run import inspect_run
 
-    if not (run_dir / "credit").is_dir():
-        if not is_run_dir(run_dir):
-            _fail(
-                f"{run_dir}: not a gear run directory (no config.yaml, no credit/ directory); "
-                "give `gear inspect` the directory a `gear train` run wrote"
-            )
-        _fail(
-            f"{run_dir}: no credit/ directory: the run has written no credit records yet (one "
-            "every credit_log_steps steps)"
-        )
-    if is_run_dir(run_dir) and not (run_dir / "final").is_dir():
-        config = run_config_file(run_dir, "fix or restore it")
-        newest, damaged = newest_complete(checkpoints(run_dir))
-        note = unfinished_note(run_dir, newest, damaged, config) + "; showing the records it wrote"
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
-    records = read_credit_records(run_dir)
-    if not records:
-        _fail(f"{run_dir / 'credit'}: no credit records yet")
-    page = write_credit_html(run_dir, out)
-    record, why = trajectory_row(records)
-    fig = plot_trajectory(record, run_dir / "plots" / "figure2.png", why)
-    console.print(f"wrote {page} ({len(records)} rows) and {fig}")
-    console.print(f"{fig.name}: step {record['step']}, row {record['row']}: {why}", highlight=False)
+    try:
+        inspect_run(run_dir, out, console)
+    except ValueError as e:  # an InputError too: a damaged file, named
+        _fail(str(e))
 
 
 @app.command()
@@ -694,13 +498,9 @@ def compare(
     command then exits 1, and the report names the run (the next invocation retries it).
     `--report` writes the report of what exists without training.
     """
-    import signal
-
-    from gear import compare as study
-    from gear.config import resolve_config, resume_config
-    from gear.preflight import preflight
-    from gear.run import train as run_train
-    from gear.run_callbacks import RunStopped
+    from gear.app import compare as study
+    from gear.app.callbacks import RunStopped
+    from gear.app.compare.runs import begin_study, run_study
 
     try:
         study.check_out(out)
@@ -723,68 +523,26 @@ def compare(
         if result["failed"]:
             raise typer.Exit(1)
         return
-    methods = methods or ["grpo", "gear"]
-    baseline = baseline or "grpo"
-    effect = study.EFFECT if effect is None else effect
     named = dict(steps=steps, model=model, task=task)
-    base = _overrides(set_, **named)
     try:
-        arms = study.parse_arms(methods)
-        if baseline not in arms:
-            raise ValueError(f"--baseline {baseline}: not one of the arms {list(arms)}")
-        first = resolve_config(config, {**base, **arms[baseline], "seed": seeds[0]})
-        for values in arms.values():  # every arm's config checked before anything is written
-            cfg = resolve_config(config, {**base, **values, "seed": seeds[0]})
-            preflight(cfg)  # as `gear train` checks it before its model loads
-        rule = study.make_rule(
-            methods, baseline, seeds, first, config=config, overrides=base, effect=effect
+        begun = begin_study(
+            out,
+            methods or ["grpo", "gear"],
+            baseline or "grpo",
+            seeds,
+            config=config,
+            overrides=_overrides(set_, **named),
+            effect=study.EFFECT if effect is None else effect,
+            only=only,
+            amend=amend_rule,
+            labels=_labels(**named),
         )
-        unknown = sorted(set(only or ()) - set(arms))
-        if unknown:
-            raise ValueError(f"--only {unknown}: not among the arms {list(arms)}")
-        rule_hash = study.fix_rule(out, rule, amend=amend_rule)
     except (ValueError, NotImplementedError) as e:
         _fail(str(e))
-    failed: list[str] = []
-    # seed by seed: a study stopped early has complete pairs
-    for seed in seeds:
-        for arm, arm_values in arms.items():
-            if only and arm not in only:
-                continue
-            run_dir = out / study.run_name(arm, seed)
-            if study.run_record(run_dir) is not None:
-                console.print(f"[dim]{run_dir.name}: done, skipped[/]")
-                continue
-            console.rule(f"{arm} seed {seed}")
-            study.mark_run(run_dir, rule_hash)
-            study.clear_failure(run_dir)
-            try:
-                study.share_eval_before(out, run_dir, seed)
-                values = {**base, **arm_values, "seed": seed}
-                if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
-                    cfg = resume_config(run_dir, values, labels=_labels(**named))
-                else:
-                    cfg = resolve_config(config, {**values, "output_dir": str(run_dir)})
-                    cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
-                run_train(cfg, run_dir=run_dir, resume=run_dir.is_dir(), console=console)
-            except RunStopped as e:  # one instruction: the study's, not the run's own
-                what = f"checkpoint saved: {e.checkpoint}" if e.checkpoint else "no new checkpoint"
-                console.print(
-                    f"[yellow]stopped by {signal.Signals(e.signum).name} in {run_dir.name}; "
-                    f"{what}[/]; run the same `gear compare` again to continue the study",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-                raise typer.Exit(e.exit_code) from None
-            except Exception as e:  # one run's failure ends that run, not the study
-                log = study.record_failure(run_dir, e)
-                failed.append(run_dir.name)
-                console.print(
-                    f"[red]{run_dir.name} failed:[/] {escape(f'{type(e).__name__}: {e}')} "
-                    f"(traceback: {log}); the study goes on",
-                    highlight=False,
-                    soft_wrap=True,
-                )
+    try:
+        failed = run_study(begun, console)
+    except RunStopped as e:
+        raise typer.Exit(e.exit_code) from None
     result = study.report(out)
     _print_report(out, result)
     if failed:

@@ -6,7 +6,7 @@ greedy accuracy; with `samples=k` at a temperature T > 0, pass@1 is the mean rew
 per problem at T (a 0/1 reward), the learning metric of `gear train` (`mean_reward`).
 
 Sample j of a problem is drawn from noise fixed by (the evaluation seed, the problem's prompt, j)
-(`gear.sampling`): two models, or one model at two steps, are scored on the same draws, so a
+(`gear.app.sampling`): two models, or one model at two steps, are scored on the same draws, so a
 difference between them is the models', not the sampler's.
 
 During a run (`gear train`): `evaluate_now` scores the model before and after training (greedy
@@ -31,11 +31,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from gear.config import RunConfig
+from gear.app.callbacks import EvalInterrupted, MetricsFile, SignalStop
+from gear.app.config import RunConfig
+from gear.app.sampling import sample, text_seed
 from gear.evidence import write_text
 from gear.inputs import InputError, read_json
-from gear.run_callbacks import EvalInterrupted, MetricsFile, SignalStop
-from gear.sampling import sample, text_seed
 from gear.tasks.base import Task
 
 
@@ -101,7 +101,7 @@ def generate(
 ) -> list[list[str]]:
     """Completions (text up to the first eos) for each prompt: `num_return_sequences` each,
     sample j of a prompt drawn from seeds fixed by (`seed`, the prompt's text, j)
-    (`gear.sampling`), so the same problem gets the same draws in any batch, model or step."""
+    (`gear.app.sampling`), so the same problem gets the same draws in any batch, model or step."""
     seeds = [text_seed(p, seed) for p in prompts]
     ids = sample(
         model,
@@ -393,13 +393,13 @@ def eval_cache_key(cfg: RunConfig) -> str | None:
     cannot be reused: the model's weights must be fixed by something local (`model_identity`:
     the embedded model's package version, a local directory's or adapter's content hash). The key covers everything the score depends on: the held-out problems
     themselves (their prompts and answers), every eval_* field, the sampling temperature, this
-    machine's CPU capability and torch, and `gear.sampling.EVAL_VERSION` (what the sampler
+    machine's CPU capability and torch, and `gear.app.sampling.EVAL_VERSION` (what the sampler
     draws and how answers are scored; a test pins it)."""
 
     import torch
 
+    from gear.app.sampling import EVAL_VERSION
     from gear.models import model_identity
-    from gear.sampling import EVAL_VERSION
     from gear.tasks import get_task
 
     model = model_identity(cfg.model)

@@ -14,9 +14,9 @@ A run directory holds everything about one run::
     RUN_DIR/summary.json|.md   held-out accuracy before and after training, wall time
 
 This module builds the trainer and trains. The run config (`RunConfig`, the recipes, the check
-of every value, what a resumed run may change, `trainer_args`) is read in `gear.config`;
-evaluation and its cache live in `gear.evaluate`; stops and checkpoints in
-`gear.run_callbacks`.
+of every value, what a resumed run may change, `trainer_args`) is read in `gear.app.config`;
+evaluation and its cache live in `gear.app.evaluate`; stops and checkpoints in
+`gear.app.callbacks`.
 
 A trainer is made by `trainer_args` (the GEARConfig), `load_model_and_data` and
 `build_trainer`; studies/lm_recipe.py and benchmarks/step.py make theirs with the same
@@ -24,10 +24,10 @@ three, so a run there trains exactly as `gear train` would with that config.
 
 Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during training finish
 the current step (or end a periodic evaluation), save a checkpoint and end the run with
-`RunStopped` (`gear.run_callbacks.stop_signals`); a second signal stops at once. `gear train
+`RunStopped` (`gear.app.callbacks.stop_signals`); a second signal stops at once. `gear train
 --resume RUN_DIR` continues from the last complete checkpoint (a damaged newest one is refused,
 naming the damaged file and the previous complete checkpoint: `gear.inputs.resume_checkpoint`)
-with exactly the saved config.yaml (`gear.config.resume_config`: only the `RESUME_MAY_CHANGE`
+with exactly the saved config.yaml (`gear.app.config.resume_config`: only the `RESUME_MAY_CHANGE`
 keys may differ, any other option is an error), forgets what was logged after that checkpoint,
 and trains no step past `max_steps` (a run stopped in its final evaluation only evaluates and
 saves).
@@ -49,10 +49,10 @@ from gear._moved import moved
 from gear.evidence import write_text
 
 if TYPE_CHECKING:
-    from gear.config import RunConfig
+    from gear.app.config import RunConfig
 
-# Names that moved out of this module (issue 50): `from gear.run import NAME` still gives them,
-# with a DeprecationWarning naming the new import.
+# Names that moved out of this module (issue 50; it was gear.run until issue 68): `from
+# gear.app.train import NAME` still gives them, with a DeprecationWarning naming the new import.
 _CONFIG = """CONFIG_DIR PRECISION_KEY RunConfig _field recipe_names config_path parse_value
 _Mismatch _type_name _coerce check_value _field_types trainer_field_types _key_specs check_key
 load_mapping resolve_config load_recipe resolve_values RESTORE_CONFIG read_run_config
@@ -62,10 +62,10 @@ _EVALUATE = "eval_cache_key _eval_cache_file _cached_scores cached_eval_before s
 _STOPS = "RunStopped STOP_SIGNALS stop_signals"
 __getattr__ = moved(
     __name__,
-    dict.fromkeys(_CONFIG.split(), "gear.config")
-    | dict.fromkeys(_EVALUATE.split(), "gear.evaluate")
-    | dict.fromkeys(_STOPS.split(), "gear.run_callbacks")
-    | dict.fromkeys(("lora_config", "SUMMARY_TODO"), "gear.preflight"),
+    dict.fromkeys(_CONFIG.split(), "gear.app.config")
+    | dict.fromkeys(_EVALUATE.split(), "gear.app.evaluate")
+    | dict.fromkeys(_STOPS.split(), "gear.app.callbacks")
+    | dict.fromkeys(("lora_config", "SUMMARY_TODO"), "gear.app.preflight"),
 )
 
 
@@ -103,8 +103,8 @@ def build_trainer(
     """The GEARTrainer of a run (`args`: its `trainer_args`; `peft_config`: its `lora_config`)
     on `task`'s reward, with checkpoints that appear complete or not at all. `gear train`, the
     studies and the step benchmark build theirs here."""
+    from gear.app.callbacks import atomic_checkpoints
     from gear.integrations.trl import GEARTrainer
-    from gear.run_callbacks import atomic_checkpoints
 
     trainer = GEARTrainer(
         model=model,
@@ -136,8 +136,8 @@ def train(
     Raises `RunStopped` when SIGTERM / SIGINT ended it (after saving a checkpoint when the
     signal came during training).
     """
-    from gear.config import default_run_dir
-    from gear.run_callbacks import stop_signals
+    from gear.app.callbacks import stop_signals
+    from gear.app.config import default_run_dir
 
     run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
     with stop_signals(run_dir) as stop, cpu_threads(cfg, console):
@@ -146,12 +146,12 @@ def train(
 
 @contextlib.contextmanager
 def cpu_threads(cfg: RunConfig, console: Any = None) -> Iterator[None]:
-    """On a CPU run, the threads the cores free now allow (`gear.threads`), said in the log and
+    """On a CPU run, the threads the cores free now allow (`gear.app.threads`), said in the log and
     restored afterwards; on a GPU run nothing changes."""
     import torch
 
-    from gear.config import _on_cpu
-    from gear.threads import apply, choose_threads
+    from gear.app.config import _on_cpu
+    from gear.app.threads import apply, choose_threads
 
     if not _on_cpu(cfg):
         yield
@@ -175,11 +175,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     import torch
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.config import PRECISION_KEY
-    from gear.evaluate import EvalCallback, cached_eval_before, evaluate_now, store_eval_before
-    from gear.models import model_identity
-    from gear.preflight import preflight
-    from gear.run_callbacks import (
+    from gear.app.callbacks import (
         MetricsFile,
         ProgressCallback,
         RunStopped,
@@ -188,6 +184,10 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
         target_steps,
         truncate_run_logs,
     )
+    from gear.app.config import PRECISION_KEY
+    from gear.app.evaluate import EvalCallback, cached_eval_before, evaluate_now, store_eval_before
+    from gear.app.preflight import preflight
+    from gear.models import model_identity
 
     # everything that can be wrong is found before anything is written or any model loads
     pre = preflight(cfg, run_dir, resume=resume)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-#: What evaluation draws and scores, as a number: bump it when `sample`'s draws, `gear.evaluate`
+#: What evaluation draws and scores, as a number: bump it when `sample`'s draws, `gear.app.evaluate`
 #: or a task's `is_correct` change, so cached before-training scores
-#: (`gear.evaluate.eval_cache_key`) are not reused. tests/test_sampling.py pins the draws of this version.
+#: (`gear.app.evaluate.eval_cache_key`) are not reused. tests/test_sampling.py pins the draws of this version.
 EVAL_VERSION = 1
 
 
