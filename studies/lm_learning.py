@@ -316,7 +316,7 @@ def posthoc(out: Path, workers: int, baseline: bool = False, dry_run: bool = Fal
 
 def posthoc_run(arm: str, seed: int) -> dict:
     """One post-hoc run to its record, which also keeps `gear/oar_span_fallback` per step."""
-    from gear.app.callbacks import read_metrics
+    from gear.app.rundir import read_metrics
 
     name = posthoc_name(arm, seed)
     meta = {"stage": "lm_learning_posthoc", "post_hoc": "issue 53", "arm": arm,
@@ -406,7 +406,7 @@ def first_steps(keys: dict[str, Any], seed: int, steps: int, run_dir: Path, src:
     """CHECK_KEYS of the first `steps` steps of `gear train --set keys` at `seed`, run from the
     source tree `src` in `run_dir` and cut once they are logged (a smaller max_steps would
     change the learning-rate schedule, and so the steps after the first)."""
-    from gear.app.callbacks import read_metrics
+    from gear.app.rundir import read_metrics
 
     def logged() -> list[dict]:
         rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if "reward" in m]

@@ -133,7 +133,7 @@ def keep(run_dir: Path, records: Path, meta: dict[str, Any], wall: float, resume
     import torch
     import yaml
 
-    from gear.app.callbacks import read_metrics
+    from gear.app.rundir import read_metrics
 
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = read_metrics(run_dir / "metrics.jsonl")

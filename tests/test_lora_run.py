@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from gear.app.cli import app
 from gear.app.config import resolve_config
 from gear.app.evaluate import eval_cache_key
-from gear.app.train import learning_lines
+from gear.app.rundir import learning_lines
 from gear.models import load_model_and_tokenizer
 from gear.testing import save_tiny_model, tiny_run_args
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gear.inputs import InputError
+from gear.io import InputError
 from gear.tasks import get_task
 from gear.tasks.math import answers_equal, boxed_spans, last_boxed
 

@@ -25,6 +25,16 @@ MOVED = [
     ("gear.run", "stop_signals", "gear.app.callbacks"),
     ("gear.run_callbacks", "evaluate_now", "gear.app.evaluate"),
     ("gear.run_callbacks", "EvalCallback", "gear.app.evaluate"),
+    ("gear.run", "write_summary", "gear.app.rundir"),
+    ("gear.run", "learning_lines", "gear.app.rundir"),
+    ("gear.run", "lora_config", "gear.app.preflight"),
+    ("gear.run_callbacks", "read_metrics", "gear.app.rundir"),
+    ("gear.run_callbacks", "truncate_run_logs", "gear.app.rundir"),
+    ("gear.run_callbacks", "last_checkpoint", "gear.app.rundir"),
+    ("gear.inputs", "InputError", "gear.io"),
+    ("gear.inputs", "read_json", "gear.io"),
+    ("gear.inputs", "resume_checkpoint", "gear.app.rundir"),
+    ("gear.inputs", "evaluation_target", "gear.app.rundir"),
 ]
 
 
@@ -41,8 +51,8 @@ def test_names_that_stayed_do_not_warn_and_unknown_names_still_fail():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from gear.run import build_trainer, learning_lines, load_model_and_data, train  # noqa: F401
-        from gear.run_callbacks import SignalStop, read_metrics  # noqa: F401
+        from gear.run import build_trainer, load_model_and_data, train  # noqa: F401
+        from gear.run_callbacks import SignalStop, atomic_checkpoints  # noqa: F401
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         gear.run.nope  # noqa: B018
     with pytest.raises(ImportError):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gear.app.callbacks import STAGING, _publish, last_checkpoint, read_metrics
+from gear.app.callbacks import _publish
+from gear.app.rundir import STAGING, last_checkpoint, read_metrics
 from gear.testing import save_tiny_model, tiny_run_args
 
 # what a complete HF checkpoint holds besides its weights (trainer_state.json is written last but
@@ -291,7 +292,7 @@ def hide_unused_packages_in_a_subprocess(argv: list[str]) -> str:
 def test_metrics_readers_take_each_step_once_the_last_record_winning(tmp_path):
     """A metrics.jsonl written by an older gear after kill -9 and --resume: steps 4 and 5 twice,
     and a line cut short. `read_metrics`, `gear compare` and the plots see each step once."""
-    from gear.app.callbacks import read_metrics, truncate_run_logs
+    from gear.app.rundir import read_metrics, truncate_run_logs
     from gear.viz.plots import plot_metrics
 
     metrics = tmp_path / "metrics.jsonl"

@@ -404,7 +404,7 @@ def test_math_column_names_are_options_with_dotted_paths(tmp_path):
     ],
 )  # fmt: skip
 def test_math_bad_rows_are_errors_naming_the_file_and_the_row(tmp_path, rows, error):
-    from gear.inputs import InputError
+    from gear.io import InputError
 
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(InputError, match=f"bad\\.jsonl: {error}"):
@@ -412,7 +412,7 @@ def test_math_bad_rows_are_errors_naming_the_file_and_the_row(tmp_path, rows, er
 
 
 def test_math_parquet_errors_name_the_row_from_0(tmp_path):
-    from gear.inputs import InputError
+    from gear.io import InputError
 
     rows = [{"problem": "p", "answer": "1"}, {"problem": "q", "answer": None}]
     path = write_parquet(tmp_path / "bad.parquet", rows)
@@ -423,7 +423,7 @@ def test_math_parquet_errors_name_the_row_from_0(tmp_path):
 
 
 def test_math_bad_files_and_options_are_clear_errors(tmp_path):
-    from gear.inputs import InputError
+    from gear.io import InputError
 
     with pytest.raises(ValueError, match="math needs the option path="):
         get_task("math").dataset("test")

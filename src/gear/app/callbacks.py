@@ -7,7 +7,6 @@ Evaluation during a run (`EvalCallback`) lives with the rest of evaluation, in
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -21,75 +20,19 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gear._moved import moved
-from gear.evidence import write_text
+from gear.app.rundir import STAGING, append_metrics
 
 # Evaluation during a run moved to gear.app.evaluate (issue 50): `from gear.app.callbacks
 # import NAME` (gear.run_callbacks before issue 68) still gives it, with a DeprecationWarning.
 _EVALUATE = "plain_forward evaluate_now _scores _evaluate_with_progress EvalCallback"
-__getattr__ = moved(__name__, dict.fromkeys(_EVALUATE.split(), "gear.app.evaluate"))
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _record_step(line: str) -> float:
-    """The step of one metrics.jsonl line; inf for a line that is not a complete record (a
-    write cut short by kill -9)."""
-    try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
-        return math.inf
-    return step if isinstance(step, int | float) and not isinstance(step, bool) else math.inf
-
-
-METRICS_TODO = "restore it from a copy, or move it aside (the run's curves are then lost)"
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """RUN_DIR/metrics.jsonl as one record per step, in step order: the records of a step
-    (TRL's log, an evaluation, the end-of-training summary) merged, a later value of a key
-    replacing an earlier one, so a step written twice (a run resumed by an older gear, which
-    kept the records of steps it trained again) counts once, as last written. Lines that are
-    not complete JSON records (a write cut short) are skipped; a file that cannot be read as
-    text is an `InputError` naming it."""
-    from gear.inputs import read_text
-
-    path = Path(path)
-    if not path.is_file():
-        return []
-    by_step: dict[float, dict[str, Any]] = {}
-    for line in read_text(path, METRICS_TODO).splitlines():
-        if not line.strip() or _record_step(line) == math.inf:
-            continue
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return [by_step[step] for step in sorted(by_step)]
-
-
-def truncate_run_logs(run_dir: Path, step: int) -> None:
-    """Forget what a run logged after `step` (the checkpoint it resumes from): metrics.jsonl
-    keeps its records of steps <= `step` (rewritten atomically); credit records of steps after
-    it are deleted (a record is named after the step its rollouts train, 1-based as in
-    metrics.jsonl: step_000003.jsonl was written during the third step). The steps after the
-    checkpoint are trained again and logged anew, so each step appears once."""
-    from gear.inputs import read_text
-
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if metrics.is_file():
-        lines = read_text(metrics, METRICS_TODO).splitlines()
-        keep = [line for line in lines if line.strip() and _record_step(line) <= step]
-        if len(keep) != len(lines):
-            write_text(metrics, "".join(line + "\n" for line in keep))
-    for record in (Path(run_dir) / "credit").glob("step_*.jsonl"):
-        try:
-            later = int(record.stem.removeprefix("step_")) > step
-        except ValueError:
-            continue
-        if later:
-            record.unlink()
+# The run directory's files moved to gear.app.rundir (issue 68), which owns its layout.
+_RUNDIR = """_clean _record_step METRICS_TODO read_metrics truncate_run_logs last_checkpoint
+checkpoint_step target_steps"""
+__getattr__ = moved(
+    __name__,
+    dict.fromkeys(_EVALUATE.split(), "gear.app.evaluate")
+    | dict.fromkeys(_RUNDIR.split(), "gear.app.rundir"),
+)
 
 
 class MetricsFile(TrainerCallback):
@@ -99,8 +42,7 @@ class MetricsFile(TrainerCallback):
         self.path = Path(path)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in values.items()}}) + "\n")
+        append_metrics(self.path, step, values)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any
@@ -349,32 +291,6 @@ def stop_signals(run_dir: Path) -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------------------ checkpoints
-
-
-STAGING = ".checkpoint-staging"  # hidden, and outside HF's `checkpoint-<step>` pattern
-
-
-def last_checkpoint(run_dir: Path) -> Path | None:
-    """The run's last complete checkpoint (highest step), or None. Staging leftovers of a
-    killed save are never candidates (they are not named `checkpoint-<step>`)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    found = get_last_checkpoint(str(run_dir)) if Path(run_dir).is_dir() else None
-    return Path(found) if found else None
-
-
-def checkpoint_step(checkpoint: Path | None) -> int:
-    """The step of a `checkpoint-<step>` directory; 0 for None (a run starting from scratch)."""
-    return int(Path(checkpoint).name.rsplit("-", 1)[1]) if checkpoint is not None else 0
-
-
-def target_steps(args: Any, checkpoint: Path | None) -> int:
-    """The step a run ends at: `max_steps`, or where it is -1 (train by epochs), the
-    `max_steps` the checkpoint's trainer state computed."""
-    if args.max_steps > 0 or checkpoint is None:
-        return args.max_steps
-    state = Path(checkpoint) / "trainer_state.json"
-    return int(json.loads(state.read_text()).get("max_steps", -1)) if state.is_file() else -1
 
 
 def _publish(staged: Path, target: Path) -> None:

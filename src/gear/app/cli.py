@@ -40,11 +40,11 @@ class _Gear(typer.Typer):
 
 
 class _Commands(TyperGroup):
-    """gear's commands: a damaged or malformed file (`gear.inputs.InputError`) met anywhere in
+    """gear's commands: a damaged or malformed file (`gear.io.InputError`) met anywhere in
     one of them ends it with its one-line message, like any other bad input (`_fail`)."""
 
     def invoke(self, ctx: Any) -> Any:
-        from gear.inputs import InputError
+        from gear.io import InputError
 
         try:
             return super().invoke(ctx)

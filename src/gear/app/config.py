@@ -28,8 +28,18 @@ from typing import Any
 
 import yaml
 
+from gear.app.rundir import (
+    CONFIG_FILE,
+    CREDIT_DIR,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    checkpoint_step,
+    last_checkpoint,
+    resume_checkpoint,
+    run_config_file,
+)
 from gear.constraints import Check, field_checks
-from gear.inputs import InputError, read_yaml, resume_checkpoint, run_config_file
+from gear.io import InputError, read_yaml
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: ships in the wheel
 PRECISION_KEY = "precision"  # config.yaml's record of the precision chosen (not a config key)
@@ -320,9 +330,9 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     ("auto" where an earlier gear stored the resolved bool), so it is resolved again for the
     machine that resumes the run."""
     run_dir = Path(run_dir)
-    saved = run_dir / "config.yaml"
+    saved = run_dir / CONFIG_FILE
     if not saved.is_file():
-        if any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json", "credit")):
+        if any((run_dir / name).exists() for name in (METRICS_FILE, SUMMARY_FILE, CREDIT_DIR)):
             raise InputError(
                 saved,
                 "missing, so the run's configuration is unknown",
@@ -390,7 +400,7 @@ def resume_config(
     except InputError:
         raise
     except ValueError as e:  # a value the file should not hold: name the file
-        raise InputError(run_dir / "config.yaml", str(e), RESTORE_CONFIG) from None
+        raise InputError(run_dir / CONFIG_FILE, str(e), RESTORE_CONFIG) from None
     resume_checkpoint(run_dir)  # a damaged newest checkpoint is refused here, before any work
     changes: dict[str, Any] = {}
     refused: list[str] = []
@@ -428,8 +438,6 @@ def resume_config(
 
 def check_resume_steps(max_steps: int, run_dir: Path) -> None:
     """A ValueError when `max_steps` ends a resumed run before its last checkpoint's step."""
-    from gear.app.callbacks import checkpoint_step, last_checkpoint
-
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is not None and 0 < max_steps < checkpoint_step(checkpoint):
         raise ValueError(

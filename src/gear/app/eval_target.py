@@ -66,7 +66,7 @@ def evaluate_task(
     from rich.table import Table
 
     from gear.app.evaluate import evaluate, write_report
-    from gear.inputs import evaluation_target
+    from gear.app.rundir import evaluation_target
     from gear.models import load_model_and_tokenizer
     from gear.tasks import get_task
 
@@ -141,7 +141,7 @@ def evaluate_suite(
     `gear.app.suite.run` (TARGET beside `base`, default the run's base model), and show its
     table. A KeyboardInterrupt leaves the benchmarks already scored for the same command."""
     from gear.app import suite
-    from gear.inputs import evaluation_target
+    from gear.app.rundir import evaluation_target
 
     model_path, run_cfg, note = evaluation_target(target)
     if "task_options" in settings:

@@ -31,11 +31,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from gear.app.callbacks import EvalInterrupted, MetricsFile, SignalStop
+from gear.app.callbacks import EvalInterrupted, SignalStop
 from gear.app.config import RunConfig
+from gear.app.rundir import METRICS_FILE, append_metrics
 from gear.app.sampling import sample, text_seed
-from gear.evidence import write_text
-from gear.inputs import InputError, read_json
+from gear.io import InputError, read_json, write_text
 from gear.tasks.base import Task
 
 
@@ -376,7 +376,8 @@ class EvalCallback(TrainerCallback):
             # TRL logs this step next, from the metrics of the mode model.training names: left
             # in eval mode, the step's row would lose reward, gear/* and completion statistics
             model.train(was_training)
-        MetricsFile(Path(args.output_dir) / "metrics.jsonl").write(
+        append_metrics(
+            Path(args.output_dir) / METRICS_FILE,
             step,
             {"eval/accuracy": result["pass@1"]}
             | ({"eval/mean_reward": result["mean_reward"]} if "mean_reward" in result else {}),

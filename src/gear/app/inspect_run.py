@@ -14,7 +14,7 @@ def inspect_run(run_dir: Path, out: Path | None, console: Any) -> None:
     complete checkpoint. A ValueError when there is nothing to show."""
     from rich.markup import escape
 
-    from gear.inputs import (
+    from gear.app.rundir import (
         checkpoints,
         is_run_dir,
         newest_complete,

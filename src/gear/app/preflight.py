@@ -17,11 +17,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gear.app.config import RunConfig
 
-SUMMARY_TODO = (
-    "restore it from a copy, or remove it: the run then scores the model before training "
-    "again (its recorded training time is lost)"
-)
-
 
 @dataclasses.dataclass
 class Preflight:
@@ -49,13 +44,13 @@ def preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False)
         run_precision,
         trainer_args,
     )
-    from gear.inputs import InputError, read_json, resume_checkpoint
+    from gear.app.rundir import is_run_dir, read_summary, resume_checkpoint
     from gear.tasks import get_task
 
     run_dir = Path(run_dir or cfg.output_dir or default_run_dir(cfg))
     if resume and not run_dir.is_dir():
         raise ValueError(f"--resume: run directory {run_dir} does not exist")
-    if not resume and (run_dir / "config.yaml").is_file():
+    if not resume and is_run_dir(run_dir):
         raise ValueError(
             f"{run_dir} already holds a run; continue it with `gear train --resume {run_dir}`, "
             f"or give a new run another --output-dir"
@@ -73,10 +68,7 @@ def preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False)
     checkpoint = resume_checkpoint(run_dir) if resume else None  # checked: never a damaged one
     if resume:
         check_resume_steps(args.max_steps, run_dir)
-    summary_file = run_dir / "summary.json"
-    summary = read_json(summary_file, SUMMARY_TODO) if summary_file.is_file() else {}
-    if not isinstance(summary, dict):
-        raise InputError(summary_file, "not a JSON object", SUMMARY_TODO)
+    summary = read_summary(run_dir)  # a new study run's holds its shared eval_before
     return Preflight(
         task, precision, args, peft_config, run_dir, train_dataset, checkpoint, summary
     )

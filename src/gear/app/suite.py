@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gear.app.evaluate import evaluate, pass_at_k
-from gear.evidence import paired, write_json, write_text
+from gear.evidence import paired
+from gear.io import write_json, write_text
 from gear.tasks import get_task
 from gear.tasks.base import Task
 

@@ -1,6 +1,7 @@
 """The training recipe behind `gear train`: config -> model, task, GEARTrainer -> a run directory.
 
-A run directory holds everything about one run::
+A run directory holds everything about one run (`gear.app.rundir` owns its layout and its
+files)::
 
     RUN_DIR/config.yaml        the resolved configuration (what was actually run; `bf16` as
                                asked, e.g. `auto`), with the precision chosen on this machine
@@ -26,7 +27,7 @@ Stops: SIGTERM (what `timeout` and schedulers send) and SIGINT (Ctrl-C) during t
 the current step (or end a periodic evaluation), save a checkpoint and end the run with
 `RunStopped` (`gear.app.callbacks.stop_signals`); a second signal stops at once. `gear train
 --resume RUN_DIR` continues from the last complete checkpoint (a damaged newest one is refused,
-naming the damaged file and the previous complete checkpoint: `gear.inputs.resume_checkpoint`)
+naming the damaged file and the previous complete checkpoint: `gear.app.rundir.resume_checkpoint`)
 with exactly the saved config.yaml (`gear.app.config.resume_config`: only the `RESUME_MAY_CHANGE`
 keys may differ, any other option is an error), forgets what was logged after that checkpoint,
 and trains no step past `max_steps` (a run stopped in its final evaluation only evaluates and
@@ -37,16 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from gear._moved import moved
-from gear.evidence import write_text
 
 if TYPE_CHECKING:
     from gear.app.config import RunConfig
@@ -65,7 +62,8 @@ __getattr__ = moved(
     dict.fromkeys(_CONFIG.split(), "gear.app.config")
     | dict.fromkeys(_EVALUATE.split(), "gear.app.evaluate")
     | dict.fromkeys(_STOPS.split(), "gear.app.callbacks")
-    | dict.fromkeys(("lora_config", "SUMMARY_TODO"), "gear.app.preflight"),
+    | dict.fromkeys(("lora_config",), "gear.app.preflight")
+    | dict.fromkeys(("SUMMARY_TODO", "write_summary", "learning_lines"), "gear.app.rundir"),
 )
 
 
@@ -175,18 +173,19 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     import torch
     from transformers.trainer_callback import PrinterCallback
 
-    from gear.app.callbacks import (
-        MetricsFile,
-        ProgressCallback,
-        RunStopped,
-        checkpoint_step,
-        save_model_atomically,
-        target_steps,
-        truncate_run_logs,
-    )
+    from gear.app.callbacks import MetricsFile, ProgressCallback, RunStopped, save_model_atomically
     from gear.app.config import PRECISION_KEY
     from gear.app.evaluate import EvalCallback, cached_eval_before, evaluate_now, store_eval_before
     from gear.app.preflight import preflight
+    from gear.app.rundir import (
+        FINAL_DIR,
+        METRICS_FILE,
+        checkpoint_step,
+        target_steps,
+        truncate_run_logs,
+        write_config,
+        write_summary,
+    )
     from gear.models import model_identity
 
     # everything that can be wrong is found before anything is written or any model loads
@@ -202,7 +201,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
     # on this machine is recorded beside it
     resolved = dataclasses.asdict(cfg) | {"output_dir": cfg.output_dir or str(run_dir)}
     resolved[PRECISION_KEY] = precision.as_dict()
-    write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    write_config(run_dir, resolved)
     # steps after the checkpoint are trained again: their records go, so each step is logged once
     truncate_run_logs(run_dir, start_step)
 
@@ -228,7 +227,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
             store_eval_before(cfg, summary["eval_before"])
         write_summary(run_dir, summary)
 
-    callbacks = [MetricsFile(run_dir / "metrics.jsonl"), ProgressCallback(console)]
+    callbacks = [MetricsFile(run_dir / METRICS_FILE), ProgressCallback(console)]
     if cfg.eval_every and cfg.eval_n:
         callbacks.append(EvalCallback(task, cfg, tokenizer, console, stop))
     callbacks.append(stop)  # last: it sees a signal that came during a periodic evaluation
@@ -265,7 +264,7 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
             trainer.model, tokenizer, task, cfg, console, "after training"
         ) | {"step": step}
     write_summary(run_dir, summary)
-    save_model_atomically(trainer, run_dir / "final")
+    save_model_atomically(trainer, run_dir / FINAL_DIR)
     render_outputs(run_dir)
     return run_dir
 
@@ -273,81 +272,15 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, console: Any, stop: Any)
 def render_outputs(run_dir: Path) -> list[Path]:
     """Plots of metrics.jsonl, and the trajectory of one credit record (picked by
     `gear.viz.record.trajectory_row`: a row where credit acts), under RUN_DIR/plots."""
+    from gear.app.rundir import METRICS_FILE
     from gear.viz.plots import plot_metrics, plot_trajectory
     from gear.viz.record import read_credit_records, trajectory_row
 
     out = run_dir / "plots"
-    paths = (
-        plot_metrics(run_dir / "metrics.jsonl", out)
-        if (run_dir / "metrics.jsonl").is_file()
-        else []
-    )
+    paths = plot_metrics(run_dir / METRICS_FILE, out) if (run_dir / METRICS_FILE).is_file() else []
     records = read_credit_records(run_dir) if (run_dir / "credit").is_dir() else []
     if records:
         record, why = trajectory_row(records)
         paths.append(plot_trajectory(record, out / "trajectory.png", why))
         print(f"gear: trajectory.png shows step {record['step']}, row {record['row']}: {why}")
     return paths
-
-
-# ------------------------------------------------------------------------------ run files
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """summary.json and a short summary.md."""
-    write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
-    before, after = summary.get("eval_before"), summary.get("eval_after")
-    lines = [f"# Run summary: {run_dir.name}", ""]
-    lines += [
-        f"- task: `{summary.get('task')}`, method: `{summary.get('method')}`, "
-        f"model: `{summary.get('model')}`, steps: {summary.get('steps')}"
-    ]
-    if summary.get("precision"):
-        lines.append(f"- precision: {summary['precision']}")
-    if summary.get("train_seconds") is not None:
-        lines.append(f"- training wall time: {summary['train_seconds']:.0f} s")
-    if before or after:
-        first = before or after or {}
-        sampled = "mean_reward" in first  # eval_samples > 0: the learning metric beside greedy
-        head = "| held-out | greedy pass@1 |" + (
-            f" mean reward ({first['samples']} samples, T={first['sample_temperature']:g}) |"
-            if sampled
-            else ""
-        )
-        lines += ["", head + " problems |", "|---|---|" + ("---|" if sampled else "") + "---|"]
-        for name, ev in (("before", before), ("after", after)):
-            if ev:
-                reward = f" {ev['mean_reward']:.3f} |" if sampled and "mean_reward" in ev else ""
-                lines.append(f"| {name} | {ev['pass@1']:.3f} |{reward} {ev['n_problems']} |")
-        if verdicts := learning_lines(before, after):  # a blank line ends the table
-            lines += ["", *(f"- {line}" for line in verdicts)]
-    write_text(run_dir / "summary.md", "\n".join(lines) + "\n")
-
-
-def learning_lines(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
-    """Whether the run learned, in words: after - before per metric with a 95% paired t-interval
-    over the held-out problems (each problem scored before and after on the same draws)."""
-    from gear.evidence import paired
-
-    if not (before and after):
-        return []
-    lines = []
-    for metric, name in (("mean_reward", "mean reward"), ("greedy", "greedy pass@1")):
-        a = (after.get("per_problem") or {}).get(metric)
-        b = (before.get("per_problem") or {}).get(metric)
-        if not a or not b or len(a) != len(b):
-            continue
-        d = paired(a, b)
-        lo, hi = d["ci"]
-        verdict = (
-            "learned: the interval is above 0"
-            if lo > 0
-            else "got worse: the interval is below 0"
-            if hi < 0
-            else "no change this evaluation can tell from 0"
-        )
-        lines.append(
-            f"{name}, after - before: {d['mean']:+.3f} (95% interval over {d['n']} problems "
-            f"[{lo:+.3f}, {hi:+.3f}]): {verdict}"
-        )
-    return lines

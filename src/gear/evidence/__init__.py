@@ -1,9 +1,9 @@
 """Evidence: what gear's studies share. The statistics (paired t-intervals, power, MDE, seeds
 needed, Bonferroni levels, bootstrap intervals over prompts), the run store (finished runs kept
-under a key of the code that determines them, or by name; a stopped grid resumes) and its one
-atomic writer, the pre-registration record (the rule's commit, checked to precede the results
-it governs, and the git helpers every study records its commit with) and the learning gate
-every real-LM comparison checks first (does the baseline learn at all?), and the comparison of
+under a key of the code that determines them, or by name; a stopped grid resumes), written
+through `gear.io`'s atomic writer (re-exported here), the pre-registration record (the rule's
+commit, checked to precede the results it governs, and the git helpers every study records its
+commit with) and the learning gate every real-LM comparison checks first (does the baseline learn at all?), and the comparison of
 credit methods against a baseline that `gear compare` and the studies share (`compare_arms`)."""
 
 from gear.evidence.compare import compare_arms, seeds_to_plan, verdict
@@ -19,15 +19,8 @@ from gear.evidence.stats import (
     power_at,
     t_interval,
 )
-from gear.evidence.store import (
-    RecordStore,
-    RunStore,
-    code_digest,
-    replacing,
-    run_key,
-    write_json,
-    write_text,
-)
+from gear.evidence.store import RecordStore, RunStore, code_digest, run_key
+from gear.io import replacing, write_json, write_text  # the atomic writer, for the studies
 
 __all__ = [
     "RecordStore",

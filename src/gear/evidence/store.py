@@ -3,8 +3,9 @@ code that determines the run and the run's parameters.
 
 A grid that stops resumes: a run whose key is kept is read back, not rerun. An edit of the code
 that determines the runs changes every key, so a stale run is never read; an edit of anything
-else (the analysis, a figure, the command line) keeps them. Writes are atomic (a temporary file,
-then a rename), so a killed run leaves no half-written result, and a temporary is never counted.
+else (the analysis, a figure, the command line) keeps them. Writes are atomic (`gear.io`: a
+temporary file, then a rename), so a killed run leaves no half-written result, and a temporary
+is never counted.
 
     store = RunStore(root, code_digest([train_fn, eval_fn], files=[...]))
     params = {"arm": "grpo", "seed": 3, "cfg": asdict(cfg)}
@@ -20,13 +21,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gear.io import write_json
 
 
 def code_digest(objects: Iterable[Any] = (), files: Iterable[Path] = ()) -> str:
@@ -48,34 +49,6 @@ def run_key(params: Mapping[str, Any], code: str) -> str:
         raise ValueError("run_key: 'code' is the store's own entry; name the parameter otherwise")
     blob = json.dumps({**params, "code": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """A temporary file beside `path` (named by this process) to write in the block, renamed onto
-    `path` when the block ends without an error, so a reader (or a resumed run) never sees half a
-    file. The one atomic write of the project: `write_text` goes through it, and a writer that
-    needs a path of its own uses it directly (`with replacing(p) as tmp: torch.save(x, tmp)`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        tmp.replace(path)
-    finally:  # a block that failed leaves neither half a file nor its temporary
-        tmp.unlink(missing_ok=True)
-
-
-def write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically (`replacing`)."""
-    with replacing(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    return Path(path)
-
-
-def write_json(path: Path, obj: Any, indent: int | None = None) -> Path:
-    """Write `obj` as JSON to `path` atomically (`write_text`)."""
-    return write_text(path, json.dumps(obj, indent=indent))
 
 
 @dataclass(frozen=True)

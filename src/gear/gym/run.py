@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gear.credit import METHODS
-from gear.evidence import RunStore, code_digest, write_text
+from gear.evidence import RunStore, code_digest
 from gear.evidence import run_key as evidence_run_key
 from gear.gym.model import (
     ModelConfig,
@@ -34,6 +34,7 @@ from gear.gym.model import (
 from gear.gym.report import localisation, plots, summarise
 from gear.gym.task import ChainTask
 from gear.gym.train import DEFAULT_ARMS, Arm, RLConfig, parse_arm, train_arm
+from gear.io import write_text
 
 #: the quick mode: a smoke test of the whole pipeline in a few minutes, not evidence
 QUICK = {"seeds": 3, "steps": 20, "eval_every": 5, "eval_n": 128, "loc_prompts": 64}

@@ -36,7 +36,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from gear.inputs import InputError, read_text
+from gear.io import InputError, read_text
 from gear.tasks.base import FILE_FEATURES, Task, check_n, check_split, make_dataset
 from gear.tasks.gsm8k import math_verify_equal
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gear.evidence import write_text
+from gear.io import write_text
 from gear.viz.record import read_credit_records
 
 #: Colour stops (ColorBrewer Reds, Blues, PiYG), shared by the Python and JS renderers.

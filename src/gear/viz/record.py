@@ -18,8 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from gear.credit import CreditDetails
-from gear.evidence import write_text
-from gear.inputs import InputError, read_text
+from gear.io import InputError, read_text, write_text
 
 # what to do about a damaged credit record (`read_credit_records`)
 CREDIT_TODO = (

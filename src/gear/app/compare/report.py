@@ -21,7 +21,8 @@ from gear.app.compare.rule import (
     runs_under_another_rule,
 )
 from gear.app.compare.runs import ERROR_FILE, collect
-from gear.evidence import write_text
+from gear.app.rundir import SUMMARY_FILE
+from gear.io import write_text
 
 
 def git_record(out: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any] | None:
@@ -36,7 +37,7 @@ def git_record(out: Path, runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> di
     root = Path(top.stdout.strip()).resolve()
     rule = (Path(out) / RULE_FILE).resolve().relative_to(root)
     checks = [
-        preregistered(rule, (Path(out) / r["name"] / "summary.json").resolve().relative_to(root),
+        preregistered(rule, (Path(out) / r["name"] / SUMMARY_FILE).resolve().relative_to(root),
                       root)
         for rs in runs.values()
         for r in rs

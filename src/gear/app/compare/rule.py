@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gear.evidence import write_text
+from gear.app.rundir import is_run_dir
+from gear.io import write_text
 
 RULE_FILE = "rule.json"
 RUN_HASH = "rule.sha256"  # in each run directory: the rule's hash when the run began
@@ -194,7 +195,7 @@ def read_rule(out: Path) -> dict[str, Any] | None:
     path = Path(out) / RULE_FILE
     if not path.is_file():
         return None
-    from gear.inputs import InputError, read_json
+    from gear.io import InputError, read_json
 
     rule = read_json(path, "it holds the study's rule: restore it from a copy of the study")
     if not isinstance(rule, dict):
@@ -210,7 +211,7 @@ def begun_runs(out: Path) -> list[Path]:
     return sorted(
         d
         for d in Path(out).glob("*-seed*")
-        if d.is_dir() and ((d / "config.yaml").is_file() or (d / RUN_HASH).is_file())
+        if d.is_dir() and (is_run_dir(d) or (d / RUN_HASH).is_file())
     )
 
 
@@ -281,7 +282,7 @@ def mark_run(run_dir: Path, h: str) -> None:
     """Record the rule's hash `h` in a run directory before its run begins (kept as first
     written: a run resumed under a changed rule keeps the hash it began under)."""
     run_dir = Path(run_dir)
-    if (run_dir / RUN_HASH).is_file() or (run_dir / "config.yaml").is_file():
+    if (run_dir / RUN_HASH).is_file() or is_run_dir(run_dir):
         return  # marked, or begun before the rule (left unmarked: the report names it)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / RUN_HASH, h + "\n")

@@ -18,7 +18,7 @@ from gear.app.compare.rule import (
     parse_arms,
     run_name,
 )
-from gear.evidence import write_text
+from gear.io import write_text
 
 ERROR_FILE = "error.log"  # in a run directory whose run raised: its traceback
 
@@ -86,6 +86,7 @@ def run_study(study: Study, console: Any) -> list[str]:
 
     from gear.app.callbacks import RunStopped
     from gear.app.config import resolve_config, resume_config
+    from gear.app.rundir import is_run_dir
     from gear.app.train import train
 
     failed: list[str] = []
@@ -103,7 +104,7 @@ def run_study(study: Study, console: Any) -> list[str]:
             try:
                 share_eval_before(study.out, run_dir, seed)
                 values = {**study.overrides, **arm_values, "seed": seed}
-                if (run_dir / "config.yaml").is_file():  # started before: continue it as it was
+                if is_run_dir(run_dir):  # started before: continue it as it was
                     cfg = resume_config(run_dir, values, labels=study.labels)
                 else:
                     cfg = resolve_config(study.config, {**values, "output_dir": str(run_dir)})
@@ -154,26 +155,26 @@ def failure(run_dir: Path) -> str | None:
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
-    """A study run's summary.json; an `InputError` naming it when it is damaged."""
-    from gear.inputs import InputError, read_json
+    """A study run's summary.json (`gear.app.rundir.read_summary`); an `InputError` naming it
+    when it is damaged, saying how the study recovers."""
+    from gear.app.rundir import read_summary as read
 
     todo = f"move {run_dir} aside and `gear compare` trains that run again, or restore the file"
-    summary = read_json(run_dir / "summary.json", todo)
-    if not isinstance(summary, dict):
-        raise InputError(run_dir / "summary.json", "not a JSON object", todo)
-    return summary
+    return read(run_dir, todo)
 
 
 def share_eval_before(out: Path, run_dir: Path, seed: int) -> None:
     """Runs of one seed start from the same model and data: reuse a sibling's before-training
     evaluation instead of repeating it (written into the new run's summary.json)."""
-    if (run_dir / "summary.json").is_file():
+    from gear.app.rundir import SUMMARY_FILE
+
+    if (run_dir / SUMMARY_FILE).is_file():
         return
-    for sibling in sorted(out.glob(f"*-seed{seed}/summary.json")):
+    for sibling in sorted(out.glob(f"*-seed{seed}/{SUMMARY_FILE}")):
         before = read_summary(sibling.parent).get("eval_before")
         if before:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_text(run_dir / "summary.json", json.dumps({"eval_before": before}, indent=2))
+            write_text(run_dir / SUMMARY_FILE, json.dumps({"eval_before": before}, indent=2))
             return
 
 
@@ -181,16 +182,15 @@ def run_record(run_dir: Path) -> dict[str, Any] | None:
     """The finished run in `run_dir` as a record (`gear.evidence.compare`): its held-out
     scores before and after training (summary.json) and training reward per step
     (metrics.jsonl); None while it has not finished."""
-    from gear.app.callbacks import read_metrics
+    from gear.app.rundir import METRICS_FILE, SUMMARY_FILE, read_metrics
 
     run_dir = Path(run_dir)
-    summary_file = run_dir / "summary.json"
-    if not summary_file.is_file():
+    if not (run_dir / SUMMARY_FILE).is_file():
         return None
     summary = read_summary(run_dir)
     if not summary.get("eval_after") or not summary.get("eval_before"):
         return None
-    steps = [m for m in read_metrics(run_dir / "metrics.jsonl") if m.get("reward") is not None]
+    steps = [m for m in read_metrics(run_dir / METRICS_FILE) if m.get("reward") is not None]
     hash_file = run_dir / RUN_HASH
     return {
         "name": run_dir.name,
