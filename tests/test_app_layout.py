@@ -53,3 +53,27 @@ def test_the_rule_sees_a_function_local_import_of_the_application():
         "gear.cli",
     ]
     assert not is_application("gear.application") and not is_application("gear.credit")
+
+
+ROOT = SRC.parent
+
+
+def layout_table(path: Path) -> list[str]:
+    """The rows of the table under the `## Layout` heading of `path`."""
+    section = path.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("|")]
+
+
+def test_readme_and_contracts_show_one_layout_table_naming_every_module():
+    table = layout_table(ROOT / "README.md")
+    assert table == layout_table(ROOT / "docs" / "contracts.md")
+    text = "\n".join(table)
+    top = {p.stem for p in (SRC / "gear").glob("*.py")} | {
+        p.name for p in (SRC / "gear").iterdir() if (p / "__init__.py").is_file()
+    }
+    for name in sorted(top - {"__init__", "_moved"}):
+        assert f"`gear.{name}`" in text, name
+    for path in APP.iterdir():
+        if path.name.startswith("_") or path.name == "__pycache__":
+            continue
+        assert f"`{path.stem}" in text, path.name  # `compare/`, `configs/`, `cli`, ...
