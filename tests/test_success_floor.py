@@ -20,7 +20,7 @@ from gear.testing import gear_row
 
 def recipe(name: str) -> CreditParams:
     """The CreditParams of a shipped `gear train` recipe (its `credit_*` trainer keys)."""
-    text = resources.files("gear.configs").joinpath(f"{name}.yaml").read_text()
+    text = resources.files("gear.app.configs").joinpath(f"{name}.yaml").read_text()
     trainer = yaml.safe_load(text)["trainer"]
     keys = {k.removeprefix("credit_"): v for k, v in trainer.items() if k.startswith("credit_")}
     return CreditParams(**{k: v for k, v in keys.items() if k != "log_steps" and k != "log_rows"})
