@@ -124,7 +124,7 @@ DISCARDED = [
     },
 ]
 
-#: arm -> keys over the shipped default recipe (src/gear/configs/default.yaml)
+#: arm -> keys over the shipped default recipe (src/gear/app/configs/default.yaml)
 ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"credit_method": "grpo"},
     "gear": {},
