@@ -6,7 +6,7 @@
 # everything (transformers 5.10.x), then gear goes on top without moving any of it, so CI runs
 # gear's verl tests on the stack a verl user gets.
 #   bash scripts/setup_verl.sh                      # create / update (cheap when up to date)
-#   .venv-verl/bin/python -m pytest -q tests/test_verl*.py
+#   .venv-verl/bin/python -m pytest -q tests/integrations/verl/test_verl*.py
 #
 # What is installed, and what is not:
 #   - torch 2.13.0+cpu, first (as setup.sh does), and pinned in every later resolve: verl itself

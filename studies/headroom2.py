@@ -117,7 +117,7 @@ def model_record() -> dict[str, Any]:
 
 def command(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float) -> list:
     return [
-        sys.executable, "-m", "gear.cli", "compare",
+        sys.executable, "-m", "gear.app.cli", "compare",
         "--model", str(model_dir().relative_to(ROOT)),
         "--config", str(RECIPE_FILE.relative_to(ROOT)),
         "--set", f"temperature={regime()['temperature']:g}", "--set", f"learning_rate={lr:g}",

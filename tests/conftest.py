@@ -1,7 +1,7 @@
 """Suite-wide isolation. Accelerate keeps its state (mixed precision, device) in process-wide
 singletons: a `gear train` run inside a test (CliRunner) on a CPU with native bf16 left
 `mixed_precision="bf16"` behind, and a later test's `Accelerator(cpu=True)` then ran under bf16
-autocast (tests/test_loss_prefix.py's gradients failed after tests/test_first_error.py's
+autocast (tests/integrations/trl/test_loss_prefix.py's gradients failed after tests/credit/test_first_error.py's
 `gear compare` on AVX512-BF16 only). Every test module starts from a fresh state (per module,
 not per test: a module-scoped trainer fixture keeps the state it was built with)."""
 

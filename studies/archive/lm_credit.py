@@ -7,7 +7,7 @@ comparison of issue 37 on it. What it found: studies/archive/README.md.
 Its kept runs (results/lm_credit_runs/) cannot be re-keyed: each key digests this file's
 training code, `onpolicy.py`, `localization.py` and `src/gear/credit/*.py` as they were up to
 commit 76ff785 (issue 36 then changed the credit core; issue 38 moved and split the two study
-modules). This script still imports and runs (tests/test_lm_credit.py), but a rerun computes
+modules). This script still imports and runs (tests/studies/test_lm_credit.py), but a rerun computes
 new keys and reruns every run; to read the 60 kept runs back by key, check out 76ff785.
 
 Issue 28: learning evidence on a real LM that can tell credit methods apart.

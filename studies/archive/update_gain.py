@@ -181,7 +181,7 @@ def group_influence(
     """`influence` of a group's completions after one shared prompt: the prompt's forward (and
     its tangent) runs once and its KV cache is repeated for the rows, as GEAR's teacher pass does.
     Right padding only follows real tokens, so it needs no mask. Equal to `influence` on the
-    concatenated rows (tests/test_update_gain.py)."""
+    concatenated rows (tests/studies/test_update_gain.py)."""
     from torch.func import functional_call, jvp
 
     params, tangents = _tangents(model, v)

@@ -11,5 +11,5 @@ trainers of `gear.integrations`, ...) into commands, as torchtune's recipes do.
 - `precision`, `threads`, `unused_packages`: how a run uses this machine.
 
 Only the application, the studies, the benchmarks and the scripts import this package: a
-component never does (tests/test_app_layout.py).
+component never does (tests/app/test_app_layout.py).
 """

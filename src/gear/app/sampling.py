@@ -26,7 +26,7 @@ import torch
 
 #: What evaluation draws and scores, as a number: bump it when `sample`'s draws, `gear.app.evaluate`
 #: or a task's `is_correct` change, so cached before-training scores
-#: (`gear.app.evaluate.eval_cache_key`) are not reused. tests/test_sampling.py pins the draws of this version.
+#: (`gear.app.evaluate.eval_cache_key`) are not reused. tests/app/test_sampling.py pins the draws of this version.
 EVAL_VERSION = 1
 
 

@@ -12,7 +12,7 @@ a fresh tensor W + B A * scale (float32 sum, cast to W's dtype) in place of W, a
 `lora_bias` b + b_B * scale in place of the base bias b, and puts their own storage back right
 after: one layer's merged weight exists at a time, and the weights are untouched bit for bit.
 The forward's result equals the unmerged one's up to the rounding of the merged sum (float32:
-~1e-6; bf16: bf16 rounding); tests/test_lora_merge.py checks this for each variant peft offers.
+~1e-6; bf16: bf16 rounding); tests/modeling/test_lora_merge.py checks this for each variant peft offers.
 Layers it cannot merge exactly run unmerged as before, decided at each forward: DoRA and the
 other LoRA variants, `lora_bias` over a base without a bias, LoRA dropout in training mode,
 disabled adapters, rows naming their own adapters (`adapter_names`), non-`nn.Linear` bases

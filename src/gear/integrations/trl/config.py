@@ -193,7 +193,7 @@ class GEARConfig(GRPOConfig):
             "tokens (a step of `gear train` 1.5x faster on 2 AVX2 cores, BENCHMARKS). TRL's plain pass runs instead "
             "under activation checkpointing, active dropout, multimodal inputs, MoE aux losses, "
             "and position schemes a shared prefix does not reproduce. Opt-in here: tested in one process "
-            "(tests/test_loss_prefix.py, gear train); not yet run under vLLM, DeepSpeed or FSDP."
+            "(tests/integrations/trl/test_loss_prefix.py, gear train); not yet run under vLLM, DeepSpeed or FSDP."
         },
     )
     signal_chunk_size: int = setting("signal_chunk_size")

@@ -288,7 +288,7 @@ def shared_prompt_logps(
     `fused_lm_head=True`), which scores only those positions.
 
     A plain TRL pass runs every row's prompt, and on CPU projects every position through the LM
-    head. The result equals it to float rounding (tests/test_loss_prefix.py), gradients
+    head. The result equals it to float rounding (tests/integrations/trl/test_loss_prefix.py), gradients
     included: the prefix's keys and values carry them to the rows that read them. Positions
     are the plain pass's (no `position_ids`, as TRL passes none).
 

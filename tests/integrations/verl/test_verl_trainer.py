@@ -1,7 +1,7 @@
 """GEAR's v1 trainer on verl, on CPU: an in-memory TransferQueue (or the real one, with
 GEAR_TEST_RAY=1) and the real `GearActorRolloutRefWorker` over verl's CPU inference path on
 2 "ranks" (`_verl_helpers`), against a full-logits oracle; the contrast teacher; a method
-without a teacher. The teacher pass itself: tests/test_verl_worker.py.
+without a teacher. The teacher pass itself: tests/integrations/verl/test_verl_worker.py.
 
 Split from tests/test_verl.py along its subjects; the shared helpers are
 `_verl_helpers`."""

@@ -15,7 +15,7 @@ from gear.tasks.base import completion_text, final_answer
 from gear.tasks.bfcl import concrete, parse_calls, reference_calls, render_calls
 from gear.tasks.tools import ToolEnv, safe_eval, tool_schemas
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 if not DATA.is_dir():
     DATA = Path("/work/shared/data")
 GSM8K = DATA / "gsm8k"

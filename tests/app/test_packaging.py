@@ -18,7 +18,7 @@ import pytest
 import gear
 from gear.app.config import CONFIG_DIR, config_path, recipe_names, resolve_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(gear.__file__).resolve().parent
 
 

@@ -58,7 +58,7 @@ def test_deepspeed_zero_two_processes_with_each_teacher(tmp_path, stage):
         assert_lockstep(verdict, backend, teacher)
         assert all(r["distributed_type"] == "DistributedType.DEEPSPEED" for r in verdict["ranks"])
     # ZeRO partitions optimizer states (and at stage 3 the weights), not the arithmetic: the
-    # current teacher's signals match across stages and DDP (tests/test_trl_distributed.py)
+    # current teacher's signals match across stages and DDP (tests/integrations/trl/test_trl_distributed.py)
     assert verdicts["ema"]["ranks"][0]["teacher_check"]["max_moved"] > 1e-4
     if stage == 3:
         # the EMA update gathers one module's parameters (teacher's and policy's) at a time:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gear._moved import MOVED_MODULES
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 APP = SRC / "gear" / "app"
 
 

