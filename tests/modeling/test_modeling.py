@@ -198,7 +198,7 @@ def test_trl_and_verl_paths_give_the_models_own_signals(tmp_path, family):
 def padded_batch(seed: int = 5):
     """Rows [prompt | completion] of prompts 13, 8 and 21 tokens long, left-padded, with
     right-padded completions (the shared-prefix tests' batch, tests/integrations/trl/test_prefix.py)."""
-    from test_prefix import batch
+    from _batches import batch
 
     ids, mask, _, T = batch(V, lengths=(13, 8, 21), T=9, seed=seed)
     return ids, mask, T
