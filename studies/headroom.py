@@ -430,14 +430,18 @@ def stage_a(
             "mde_at_own_sd_descriptive": own}  # fmt: skip
 
 
-def stage_b(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dict[str, Any]:
-    """Each of lead and gear - grpo at Bonferroni over two (97.5%), and its share of the oracle's
-    gain with a paired bootstrap interval."""
+def stage_b(
+    runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int],
+    arms: tuple[str, ...] | list[str] = STAGE_B, family: int = len(STAGE_B),
+) -> dict[str, Any]:  # fmt: skip
+    """Each of `arms` (default lead and gear) - grpo at Bonferroni over `family` comparisons
+    (default two: 97.5%), and its share of the oracle's gain with a paired bootstrap interval
+    (issue 67's study passes the arms that ran, of a family of three)."""
     from gear.evidence import bonferroni, paired
 
-    level = bonferroni(len(STAGE_B), ALPHA)
+    level = bonferroni(family, ALPHA)
     out: dict[str, Any] = {"level": level}
-    for arm in STAGE_B:
+    for arm in arms:
         both = [s for s in seeds if all(s in runs.get(a, {}) for a in ("grpo", "oracle", arm))]
         if len(both) < 2:
             out[arm] = {"seeds": both, "missing": sorted(set(seeds) - set(both))}

@@ -266,29 +266,6 @@ def stage_b_budget(n: int) -> dict[str, Any]:
     return out
 
 
-def stage_b(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int],
-            arms: list[str]) -> dict[str, Any]:  # fmt: skip
-    """Each of stage B's arms that ran, minus grpo, paired by seed, Bonferroni over the three
-    (98.33%): it wins iff its interval is above 0; with the share of the oracle's gain it
-    captures (paired bootstrap 95%, 2000 resamples, seed 0), descriptive."""
-    from gear.evidence import bonferroni, paired
-
-    level = bonferroni(len(STAGE_B), ALPHA)
-    out: dict[str, Any] = {"level": level}
-    for arm in arms:
-        both = [s for s in seeds if all(s in runs.get(a, {}) for a in ("grpo", "oracle", arm))]
-        out[arm] = {"seeds": both, "missing": sorted(set(seeds) - set(both))}
-        if len(both) < 2:
-            continue
-        diff = paired([after(runs[arm][s]) for s in both], [after(runs["grpo"][s]) for s in both],
-                      level)  # fmt: skip
-        x = [after(runs[arm][s]) - after(runs["grpo"][s]) for s in both]
-        o = [after(runs["oracle"][s]) - after(runs["grpo"][s]) for s in both]
-        out[arm] |= {"minus_grpo": diff, "wins": diff["ci"][0] > 0,
-                     "share_of_oracle_gain": headroom.bootstrap_share(x, o)}  # fmt: skip
-    return out
-
-
 def decide(runs: dict[str, dict[int, dict[str, Any]]], plan_: dict[str, Any],
            gate_trend: str) -> dict[str, Any]:  # fmt: skip
     """The rule's reading of what has run: stage A; then its stop, or stage B's budget and,
@@ -304,7 +281,9 @@ def decide(runs: dict[str, dict[int, dict[str, Any]]], plan_: dict[str, Any],
         out["stop"] = "no headroom: the oracle's interval is not above GRPO's; the rule stops"
     else:
         out["stage_b_budget"] = stage_b_budget(len(seeds))
-        out["stage_b"] = stage_b(runs, seeds, out["stage_b_budget"]["run"])
+        # each arm that ran - grpo, paired by seed, Bonferroni over the three (98.33%): it wins
+        # iff its interval is above 0; its share of the oracle's gain (paired bootstrap 95%)
+        out["stage_b"] = headroom.stage_b(runs, seeds, out["stage_b_budget"]["run"], len(STAGE_B))
     return out
 
 
