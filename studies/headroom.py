@@ -208,11 +208,13 @@ def launch(
 
 
 def run_piece(
-    cmd: list[str], out: Path, only: str, threads: int, log: Path, store: RecordStore
-) -> dict[str, Any]:
-    """Run the `gear compare` command `cmd` (training arm `only` of the study in `out`) at
-    `threads` threads, logged to `log`; the piece (start, end, wall seconds, exit code, commit,
-    CPU, the runs it resumes) is kept in `store` while it runs and when it ends."""
+    cmd: list[str], out: Path, only: str, threads: int, log: Path, store: RecordStore,
+    seeds: list[int] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the `gear compare` command `cmd` (training arm `only` of the study in `out`, only its
+    `seeds` where given) at `threads` threads, logged to `log`; the piece (start, end, wall
+    seconds, exit code, commit, CPU, seeds, the runs it resumes) is kept in `store` while it runs
+    and when it ends."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
            # large blocks (an evaluation's KV cache) go back to the system when freed: two runs
            # held ~10 GB each without it, and the OOM killer took one (computes nothing else)
@@ -222,13 +224,18 @@ def run_piece(
              "commit": head_commit(ROOT), "threads": threads,
              "capability": torch.backends.cpu.get_cpu_capability(), "command": cmd[2:]}  # fmt: skip
     # runs this piece continues (begun by an earlier, stopped piece): listed as resumed
+    # (only this piece's seeds: another process may be running the arm's other seeds)
     piece["resumes"] = sorted(
         d.name
         for d in out.glob(f"{only}-seed*")
         if (d / "config.yaml").is_file() and run_record(d) is None
-    )
+        and (seeds is None or int(d.name.rsplit("-seed", 1)[1]) in seeds)
+    )  # fmt: skip
     t0 = time.time()
     piece["id"] = f"{out.name}-{only}-{int(t0)}"
+    if seeds is not None:  # two pieces of one arm may start in the same second
+        piece["seeds"] = list(seeds)
+        piece["id"] = f"{out.name}-{only}-s{'-'.join(map(str, seeds))}-{int(t0)}"
     put_piece(piece, store)  # kept while it runs: a piece killed with the session is still listed
     with log.open("a") as fh:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)

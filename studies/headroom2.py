@@ -13,6 +13,8 @@ resumes where it stopped; `gear compare` trains every run (`gear train`, the pat
     python -m studies.headroom2 study --arm grpo # stage A, one process per arm (grpo, oracle,
     python -m studies.headroom2 study --arm oracle #  placebo); stage B's arms only once stage A
     python -m studies.headroom2 study --arm placebo # shows headroom and the budget fits them
+    python -m studies.headroom2 study --arm placebo --seed 1  # one seed only (repeatable): two
+                                                   #  processes can share an arm
     python -m studies.headroom2 report           # studies/results/headroom2.json, from what ran
     python -m studies.headroom2 keep             # finished runs' records -> studies/results/
     python -m studies.headroom2 restore          # a new session: them and the adapter back
@@ -115,7 +117,8 @@ def model_record() -> dict[str, Any]:
     return kept
 
 
-def command(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float) -> list:
+def command(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float,
+            only_seeds: list[int] | None = None) -> list:  # fmt: skip
     return [
         sys.executable, "-m", "gear.app.cli", "compare",
         "--model", str(model_dir().relative_to(ROOT)),
@@ -124,6 +127,7 @@ def command(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: f
         *(x for a in arms for x in ("--methods", ARMS[a])),
         *(x for s in seeds for x in ("--seeds", str(s))), "--effect", str(EFFECT),
         "--out", str(out.relative_to(ROOT)), "--only", only,
+        *(x for s in only_seeds or () for x in ("--only-seed", str(s))),
     ]  # fmt: skip
 
 
@@ -132,11 +136,14 @@ def lr_dir(lr: float) -> Path:
 
 
 def train(out: Path, arms: tuple[str, ...], seeds: list[int], only: str, lr: float,
-          threads: int = 1) -> dict[str, Any]:  # fmt: skip
+          threads: int = 1, only_seeds: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train arm `only` of the study in `out` (only `only_seeds` of its seeds, where given: two
+    pieces can then share one arm, each on its own core) as one recorded piece."""
     model_record()
-    cmd = command(out, arms, seeds, only, lr)
-    log = RUNS / f"{out.name}-{only}.log"
-    return headroom.run_piece(cmd, out, only, threads, log, records())
+    cmd = command(out, arms, seeds, only, lr, only_seeds)
+    tag = "".join(f"-s{s}" for s in only_seeds or ())
+    log = RUNS / f"{out.name}-{only}{tag}.log"
+    return headroom.run_piece(cmd, out, only, threads, log, records(), only_seeds)
 
 
 def choose_lr() -> dict[str, Any]:
@@ -348,6 +355,13 @@ def main(argv: list[str] | None = None) -> None:
     st = sub.add_parser("study")
     st.add_argument("--arm", choices=(*STAGE_A, *STAGE_B), required=True)
     st.add_argument("--threads", type=int, default=1)
+    st.add_argument(
+        "--seed",
+        type=int,
+        action="append",
+        dest="seeds",
+        help="train only this of the plan's seeds (repeatable; default: all)",
+    )
     sub.add_parser("plan")
     sub.add_parser("report")
     sub.add_parser("choose-lr")
@@ -382,8 +396,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.arm not in study_arms():
             raise SystemExit(f"{args.arm}: stage B runs only after stage A shows headroom and "
                              f"the budget fits it (python -m studies.headroom2 report)")  # fmt: skip
+        unknown = sorted(set(args.seeds or ()) - set(kept["seeds"]))
+        if unknown:
+            raise SystemExit(f"--seed {unknown}: not among the plan's seeds {kept['seeds']}")
         train(STUDY, (*STAGE_A, *STAGE_B), kept["seeds"], args.arm, kept["learning_rate"],
-              args.threads)  # fmt: skip
+              args.threads, args.seeds)  # fmt: skip
     elif args.cmd == "report":
         out = report()
         print({k: out.get(k) for k in ("plan", "stop", "core_hours")})

@@ -598,3 +598,20 @@ def test_help_lists_every_shipped_recipe():
     for command in ("train", "compare"):
         text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=200).output.split())
         assert all(name in text for name in recipe_names()), (command, text)
+
+
+def test_compare_only_seed_trains_those_seeds_and_keeps_the_rule_whole(tmp_path, monkeypatch):
+    """Two processes could share a study only arm by arm: one arm's seeds ran one after another
+    on one core while the other sat idle (issue 67's placebo). --only-seed splits them."""
+    out = tmp_path / "study"
+    monkeypatch.setattr("gear.app.train.train", fake_train({}))
+    first = runner.invoke(app, [*STUDY, "--out", str(out), "--only", "grpo", "--only-seed", "1"])
+    assert first.exit_code == 0, first.output
+    assert sorted(d.name for d in out.glob("*-seed*")) == ["grpo-seed1"]
+    assert json.loads((out / "rule.json").read_text())["seeds"] == [0, 1, 2]
+    rest = runner.invoke(app, [*STUDY, "--out", str(out), "--only-seed", "0", "--only-seed", "2"])
+    assert rest.exit_code == 0, rest.output
+    assert len(list(out.glob("*-seed*"))) == 7  # every arm at seeds 0 and 2, grpo at 1
+    refused = runner.invoke(app, [*STUDY, "--out", str(out), "--only-seed", "5"])
+    assert refused.exit_code == 2
+    assert "--only-seed [5]: not among the seeds [0, 1, 2]" in " ".join(refused.output.split())

@@ -57,6 +57,33 @@ def test_every_run_reads_the_frozen_recipe_the_regimes_temperature_and_the_rate(
     assert headroom2.ARMS["oracle"].startswith("oracle=first_error@")
 
 
+def test_a_piece_of_some_seeds_names_them_and_resumes_only_its_own(tmp_path, monkeypatch):
+    """Two pieces of one arm (placebo seeds 0 and 1, one core each): neither may list the
+    other's run, in progress beside it, as one it resumes, nor share its id."""
+    import sys
+
+    from gear.evidence import RecordStore
+    from studies import headroom
+
+    monkeypatch.setattr(headroom2, "regime", lambda: {"model": "runs/x", "temperature": 1.0})
+    cmd = headroom2.command(headroom2.RUNS / "study", ("grpo", "placebo"), [0, 1, 2], "placebo",
+                            1e-4, [0, 2])  # fmt: skip
+    assert " ".join(cmd).endswith("--only placebo --only-seed 0 --only-seed 2")
+    for seed in (0, 1):  # both begun, neither finished
+        (tmp_path / f"placebo-seed{seed}").mkdir()
+        (tmp_path / f"placebo-seed{seed}" / "config.yaml").write_text("seed: 0\n")
+    store = RecordStore(tmp_path / "records")
+    noop = [sys.executable, "-c", "pass"]
+    pieces = [
+        headroom.run_piece(noop, tmp_path, "placebo", 1, tmp_path / "log", store, seeds)
+        for seeds in ([0], [1], None)
+    ]
+    assert [p["resumes"] for p in pieces] == [["placebo-seed0"], ["placebo-seed1"],
+                                              ["placebo-seed0", "placebo-seed1"]]  # fmt: skip
+    assert [p.get("seeds") for p in pieces] == [[0], [1], None]
+    assert len({p["id"] for p in store.get("pieces")}) == 3 and all(p["exit"] == 0 for p in pieces)
+
+
 # ----------------------------------------------------------------- the plan, stage A, stage B
 
 

@@ -478,6 +478,14 @@ def compare(
             "sharing one study (each its own --only), use it.",
         ),
     ] = None,
+    only_seed: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--only-seed",
+            help="Train only these of the rule's seeds now (repeat the option); the rule keeps "
+            "every seed. Two processes can share one arm's seeds this way.",
+        ),
+    ] = None,
     amend_rule: Annotated[
         bool,
         typer.Option(
@@ -534,6 +542,7 @@ def compare(
             overrides=_overrides(set_, **named),
             effect=study.EFFECT if effect is None else effect,
             only=only,
+            only_seeds=only_seed,
             amend=amend_rule,
             labels=_labels(**named),
         )

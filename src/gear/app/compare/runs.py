@@ -26,8 +26,8 @@ ERROR_FILE = "error.log"  # in a run directory whose run raised: its traceback
 @dataclasses.dataclass
 class Study:
     """A study whose rule is fixed: its directory, the config and overrides every run takes,
-    its arms (name -> the config values its runs set), seeds, the rule's hash, and the arms to
-    train now (`--only`; None: all)."""
+    its arms (name -> the config values its runs set), seeds, the rule's hash, and the arms and
+    seeds to train now (`--only`, `--only-seed`; None: all)."""
 
     out: Path
     config: str | None
@@ -37,6 +37,7 @@ class Study:
     rule_hash: str
     only: list[str] | None = None
     labels: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> the option's name
+    only_seeds: list[int] | None = None
 
 
 def begin_study(
@@ -51,6 +52,7 @@ def begin_study(
     only: Sequence[str] | None = None,
     amend: bool = False,
     labels: Mapping[str, str] | None = None,
+    only_seeds: Sequence[int] | None = None,
 ) -> Study:
     """Check every arm's config as `gear train` would before its model loads
     (`gear.app.preflight`), then fix the rule (`fix_rule`): nothing is written before every
@@ -70,9 +72,13 @@ def begin_study(
     unknown = sorted(set(only or ()) - set(arms))
     if unknown:
         raise ValueError(f"--only {unknown}: not among the arms {list(arms)}")
+    unknown_seeds = sorted(set(only_seeds or ()) - set(seeds))
+    if unknown_seeds:
+        raise ValueError(f"--only-seed {unknown_seeds}: not among the seeds {list(seeds)}")
     h = fix_rule(out, rule, amend=amend)
     return Study(Path(out), config, dict(overrides), arms, list(seeds), h,
-                 list(only) if only else None, dict(labels or {}))  # fmt: skip
+                 list(only) if only else None, dict(labels or {}),
+                 list(only_seeds) if only_seeds else None)  # fmt: skip
 
 
 def run_study(study: Study, console: Any) -> list[str]:
@@ -91,6 +97,8 @@ def run_study(study: Study, console: Any) -> list[str]:
 
     failed: list[str] = []
     for seed in study.seeds:
+        if study.only_seeds and seed not in study.only_seeds:
+            continue
         for arm, arm_values in study.arms.items():
             if study.only and arm not in study.only:
                 continue
