@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from gear.app.compare import GATE_MIN_SEEDS, GATE_TREND, read_rule, run_record
+from gear.app.compare import GATE_MIN_SEEDS, GATE_TREND, read_rule, run_name, run_record
 from gear.evidence import RecordStore, head_commit
 from gear.models import content_hash
 
@@ -225,17 +225,19 @@ def run_piece(
              "capability": torch.backends.cpu.get_cpu_capability(), "command": cmd[2:]}  # fmt: skip
     # runs this piece continues (begun by an earlier, stopped piece): listed as resumed
     # (only this piece's seeds: another process may be running the arm's other seeds)
+    mine = None if seeds is None else {run_name(only, s) for s in seeds}
     piece["resumes"] = sorted(
         d.name
         for d in out.glob(f"{only}-seed*")
         if (d / "config.yaml").is_file() and run_record(d) is None
-        and (seeds is None or int(d.name.rsplit("-seed", 1)[1]) in seeds)
+        and (mine is None or d.name in mine)
     )  # fmt: skip
     t0 = time.time()
-    piece["id"] = f"{out.name}-{only}-{int(t0)}"
-    if seeds is not None:  # two pieces of one arm may start in the same second
+    # two pieces of one arm, each of its own seeds, may start in the same second
+    tag = "" if seeds is None else f"s{'-'.join(map(str, seeds))}-"
+    piece["id"] = f"{out.name}-{only}-{tag}{int(t0)}"
+    if seeds is not None:
         piece["seeds"] = list(seeds)
-        piece["id"] = f"{out.name}-{only}-s{'-'.join(map(str, seeds))}-{int(t0)}"
     put_piece(piece, store)  # kept while it runs: a piece killed with the session is still listed
     with log.open("a") as fh:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
